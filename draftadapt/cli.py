@@ -1,0 +1,73 @@
+"""The ``draftadapt`` command: parse arguments and dispatch. No logic lives here."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="draftadapt", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="run the main job on the embedded toy world")
+    demo.add_argument("--out", default="runs/demo", help="output directory")
+    demo.add_argument("--steps", type=int, default=None, help="RL steps (default: recipe's)")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--toy", default=None, help="reuse a toy target built by `toy build`")
+
+    toy = sub.add_parser("toy", help="the embedded toy RL world")
+    toy_sub = toy.add_subparsers(dest="toy_command", required=True)
+    build = toy_sub.add_parser("build", help="build and train the tiny toy target")
+    build.add_argument("--out", required=True, help="directory for the HF model")
+    build.add_argument("--arch", choices=["llama", "qwen3"], default="llama")
+    build.add_argument("--seed", type=int, default=0)
+    build.add_argument("--steps", type=int, default=None, help="training steps (default: tuned)")
+
+    draft = sub.add_parser("draft", help="create, export and import drafts")
+    draft_sub = draft.add_subparsers(dest="draft_command", required=True)
+    init = draft_sub.add_parser("init", help="initialise a draft for a target")
+    init.add_argument("--target", required=True, help="HF target model directory")
+    init.add_argument("--method", choices=["eagle3", "draft_model"], default="eagle3")
+    init.add_argument("--out", required=True)
+    init.add_argument("--format", choices=["speculators", "eagle"], default="speculators")
+    init.add_argument("--seed", type=int, default=0)
+    init.add_argument(
+        "--from", dest="source", default=None,
+        help="start from an existing Eagle-3 draft (speculators or original EAGLE format)",
+    )
+
+    sim = sub.add_parser("simulate", help="project RL step time with speculation and adaptation")
+    sim.add_argument("recipe", help="YAML recipe, e.g. recipes/sim_qwen3_8b_sync.yaml")
+    sim.add_argument("overrides", nargs="*", help="key=value overrides")
+    sim.add_argument("--json", action="store_true", help="print one JSON object")
+    sim.add_argument("--plot", default=None, help="write a PNG here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "toy":
+        from draftadapt.toy.build import build_cli
+
+        return build_cli(out=args.out, arch=args.arch, seed=args.seed, steps=args.steps)
+    if args.command == "draft":
+        from draftadapt.drafts.init import init_cli
+
+        return init_cli(
+            target=args.target, method=args.method, out=args.out, fmt=args.format,
+            seed=args.seed, source=args.source,
+        )
+    if args.command == "simulate":
+        from draftadapt.sim.cli import run as simulate
+
+        return simulate(args.recipe, args.overrides, json_out=args.json, plot=args.plot)
+    if args.command == "demo":
+        from draftadapt.demo import demo_cli
+
+        return demo_cli(out=args.out, steps=args.steps, seed=args.seed, toy=args.toy)
+    raise AssertionError(args.command)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""Typed dataclass configs: YAML sets fields, ``key=value`` overrides win, unknown keys are errors.
+
+Every recipe is a dataclass tree. ``load_config(Cls, "recipe.yaml", ["train.lr=1e-3"])``
+reads the YAML, applies dotted overrides on top, converts each value to the
+field's declared type and refuses any key the dataclass does not declare, naming
+the key, where it came from and the keys that do exist.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A recipe or override that does not fit the config schema."""
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Convert ``value`` (from YAML or a command-line string) to the annotated type ``tp``."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            if type(None) in args:
+                return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, where)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(f"{where}: cannot read {value!r} as {tp}: " + "; ".join(errors))
+    if origin is typing.Literal:
+        for arg in args:
+            if value == arg or (isinstance(value, str) and str(arg) == value):
+                return arg
+        raise ConfigError(f"{where}: {value!r} is not one of {list(args)}")
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping for {tp.__name__}, got {value!r}")
+        return _build(tp, value, where)
+    if origin in (list, tuple):
+        if isinstance(value, str):
+            value = yaml.safe_load(value) if value.strip().startswith("[") else [
+                v for v in value.split(",") if v.strip()
+            ]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        inner = args[0] if args else Any
+        items = [_coerce(v, inner, f"{where}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        return dict(value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on"):
+            return True
+        if isinstance(value, str) and value.lower() in ("false", "0", "no", "off"):
+            return False
+        raise ConfigError(f"{where}: expected true/false, got {value!r}")
+    if tp in (int, float, str):
+        if isinstance(value, bool) and tp is not str:
+            raise ConfigError(f"{where}: expected {tp.__name__}, got {value!r}")
+        try:
+            if tp is int and isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            if tp is int and isinstance(value, str):
+                return int(float(value)) if "e" in value.lower() else int(value)
+            return tp(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where}: expected {tp.__name__}, got {value!r}") from None
+    return value
+
+
+def _build(cls: type[T], data: dict[str, Any], where: str) -> T:
+    types_ = _field_types(cls)
+    unknown = sorted(set(data) - set(types_))
+    if unknown:
+        raise ConfigError(
+            f"{where}: unknown key(s) {unknown} for {cls.__name__}; known keys: {sorted(types_)}"
+        )
+    kwargs = {k: _coerce(v, types_[k], f"{where}.{k}" if where else k) for k, v in data.items()}
+    try:
+        obj = cls(**kwargs)
+    except TypeError as exc:
+        raise ConfigError(f"{where or cls.__name__}: {exc}") from None
+    validate = getattr(obj, "validate", None)
+    if callable(validate):
+        validate()
+    return obj
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: str) -> None:
+    node = tree
+    parts = dotted.split(".")
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {dotted}: {part} is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_overrides(overrides: list[str] | None) -> list[tuple[str, str]]:
+    pairs = []
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not key=value (e.g. train.lr=1e-3)")
+        key, value = item.split("=", 1)
+        pairs.append((key.strip(), value))
+    return pairs
+
+
+def load_config(cls: type[T], path: str | Path | None = None, overrides: list[str] | None = None) -> T:
+    """Read ``path`` (YAML) into ``cls``, apply ``key=value`` overrides, validate everything."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"recipe {path} does not exist; pass a YAML file such as recipes/*.yaml")
+        loaded = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"recipe {path} must hold a mapping at the top level")
+        data = loaded
+    for key, value in parse_overrides(overrides):
+        _set_dotted(data, key, value)
+    return _build(cls, data, "")
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg: Any, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))

@@ -1,0 +1,322 @@
+"""Eagle-3 draft head in plain PyTorch, parameter for parameter what vLLM's Eagle-3 loader expects.
+
+Architecture (Li et al., EAGLE-3, arXiv 2503.01840; vLLM ``llama_eagle3.py``):
+
+    g      = fc([h_l1 ; h_l2 ; h_l3])              # 3 target aux hidden states -> hidden
+    x      = layer0(embed(next_token), g)          # attention input is [norm(embed) ; norm(g)]
+    logits = lm_head(norm(x))                      # over the reduced draft vocabulary
+    the pre-norm ``x`` is the hidden state fed to the next speculative step.
+
+Parameter names (no ``model.`` prefix, as vLLM's ``Eagle3LlamaForCausalLM.load_weights`` wants):
+``embed_tokens.weight``, ``fc.weight``, ``layers.0.{hidden_norm,input_layernorm,
+post_attention_layernorm}.weight``, ``layers.0.self_attn.{q,k,v,o}_proj.weight``,
+``layers.0.mlp.{gate,up,down}_proj.weight``, ``norm.weight``, ``lm_head.weight``,
+buffers ``d2t`` [Vd] int64 offsets and ``t2d`` [Vt] bool.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class Eagle3Config:
+    hidden_size: int  # draft hidden size; equals the embedding width
+    intermediate_size: int  # MLP width of the single decoder layer
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    target_hidden_size: int  # width of each target aux hidden state (fc input is 3x this)
+    target_vocab_size: int  # the verifier's vocabulary; embed_tokens covers all of it
+    draft_vocab_size: int  # lm_head rows; d2t maps them into the target vocabulary
+    aux_layer_ids: list[int] = field(default_factory=list)  # residual stream after k target layers
+    max_position_embeddings: int = 2048  # never below the target's (RoPE would clamp)
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    # False: the residual is the raw fc output (original EAGLE-3). speculators' exports default
+    # to True, so the flag is always written explicitly on export.
+    norm_before_residual: bool = False
+    target_model_type: str = "llama"  # which target family this head was built for
+    target_num_layers: int = 0
+
+    @property
+    def num_aux(self) -> int:
+        return len(self.aux_layer_ids)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Eagle3Config":
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def default_aux_layers(num_layers: int) -> list[int]:
+    """Low, middle and high layers, all distinct.
+
+    vLLM's default (2, L//2, L-3) repeats a layer for small L (L=6 gives 3 twice; DESIGN.md),
+    so for small targets we spread three distinct ids over 1..L-1 instead.
+    """
+    if num_layers < 3:
+        raise ValueError(f"an Eagle-3 head needs a target with >= 3 layers, got {num_layers}")
+    ids = [2, num_layers // 2, num_layers - 3]
+    if len(set(ids)) == 3 and min(ids) >= 1:
+        return ids
+    lo, hi = 1, num_layers - 1
+    return sorted({lo, (lo + hi) // 2, hi}) if len({lo, (lo + hi) // 2, hi}) == 3 else [1, 2, 3]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Llama (neox-style, half split) rotary embedding.
+
+    x: [B, H, T, D]; positions: [B, T] int -> [B, H, T, D]
+    """
+    d = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d))
+    ang = positions.float()[..., None] * inv_freq  # [B, T, D/2]
+    cos = torch.cat([ang.cos(), ang.cos()], -1)[:, None]  # [B, 1, T, D]
+    sin = torch.cat([ang.sin(), ang.sin()], -1)[:, None]
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+    rotated = torch.cat([-x2, x1], -1)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        h, nh, nkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.nh, self.nkv, self.hd, self.theta = nh, nkv, hd, cfg.rope_theta
+        self.q_proj = nn.Linear(2 * h, nh * hd, bias=False)
+        self.k_proj = nn.Linear(2 * h, nkv * hd, bias=False)
+        self.v_proj = nn.Linear(2 * h, nkv * hd, bias=False)
+        self.o_proj = nn.Linear(nh * hd, h, bias=False)
+
+    def qkv(self, x: torch.Tensor, positions: torch.Tensor):
+        """x: [B, T, 2H] -> q [B, nh, T, hd], k and v [B, nkv, T, hd] (RoPE applied)."""
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.nh, self.hd).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.nkv, self.hd).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.nkv, self.hd).transpose(1, 2)
+        return rope(q, positions, self.theta), rope(k, positions, self.theta), v
+
+    def attend(self, q, k, v, mask: torch.Tensor) -> torch.Tensor:
+        """q: [B, nh, T, hd]; k, v: [B, nkv, S, hd]; mask: [T, S] bool (True = may attend)."""
+        rep = self.nh // self.nkv
+        if rep > 1:
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        b, _, t, _ = out.shape
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.nh * self.hd))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        self.cfg = cfg
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def attn_input(self, embeds: torch.Tensor, hidden: torch.Tensor):
+        """embeds, hidden: [B, T, H] -> attention input [B, T, 2H] and residual [B, T, H]."""
+        e = self.input_layernorm(embeds)
+        if self.cfg.norm_before_residual:
+            hidden = self.hidden_norm(hidden)
+            residual = hidden
+        else:
+            residual = hidden
+            hidden = self.hidden_norm(hidden)
+        return torch.cat([e, hidden], dim=-1), residual
+
+    def finish(self, attn_out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """Post-attention half; returns the pre-norm output x = mlp(norm(a + r)) + (a + r)."""
+        x = attn_out + residual
+        return self.mlp(self.post_attention_layernorm(x)) + x
+
+
+class Eagle3Head(nn.Module):
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        if cfg.num_aux < 1:
+            raise ValueError("Eagle3Config.aux_layer_ids is empty; pass the target layers to read")
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.target_vocab_size, cfg.hidden_size)
+        self.fc = nn.Linear(cfg.num_aux * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.layers = nn.ModuleList([DecoderLayer(cfg)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
+        self.register_buffer("t2d", torch.ones(cfg.target_vocab_size, dtype=torch.bool))
+
+    def init_weights(self, seed: int, std: float = 0.02) -> None:
+        g = torch.Generator().manual_seed(seed)
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.data.fill_(1.0)
+            else:
+                p.data.copy_(torch.randn(p.shape, generator=g) * std)
+
+    def combine(self, aux: torch.Tensor) -> torch.Tensor:
+        """aux: [B, T, num_aux * Ht] concatenated target aux hidden states -> [B, T, H]."""
+        return self.fc(aux)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [B, T, H] pre-norm output -> [B, T, Vd] draft-vocab logits."""
+        return self.lm_head(self.norm(x))
+
+    def forward(
+        self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """One causal pass (the first speculative step, as vLLM runs it over a prefix).
+
+        input_ids: [B, T] token t+1 at index t; hidden: [B, T, H] (fc output or previous
+        pre-norm output) for position t; positions: [B, T] -> pre-norm output x [B, T, H].
+        """
+        b, t = input_ids.shape
+        if positions is None:
+            positions = torch.arange(t, device=input_ids.device).expand(b, t)
+        layer = self.layers[0]
+        a_in, residual = layer.attn_input(self.embed_tokens(input_ids), hidden)
+        q, k, v = layer.self_attn.qkv(a_in, positions)
+        mask = torch.ones(t, t, dtype=torch.bool, device=input_ids.device).tril()
+        return layer.finish(layer.self_attn.attend(q, k, v, mask), residual)
+
+    def unroll(
+        self, input_ids: torch.Tensor, aux: torch.Tensor, steps: int, feed_ids=None
+    ) -> list[torch.Tensor]:
+        """Training-time test (EAGLE-3 section 3.2): run ``steps`` speculative steps in parallel.
+
+        Step 0 is a causal pass from the target's hidden states. At step j the query for original
+        position t stands for position t + j: it attends to step-0 keys at positions <= t and to
+        its own earlier speculative keys at t (steps 1..j), exactly the keys vLLM's draft KV cache
+        holds when it speculates j tokens past an accepted prefix ending at t.
+
+        input_ids: [B, T] (token t+1 at index t); aux: [B, T, num_aux*Ht];
+        feed_ids(j, logits_j) -> [B, T] ids fed at step j+1 (default: the draft's own argmax,
+        mapped to target ids). Returns per step the draft-vocab logits [B, T, Vd].
+        """
+        b, t = input_ids.shape
+        dev = input_ids.device
+        layer = self.layers[0]
+        base = torch.arange(t, device=dev).expand(b, t)
+        hidden = self.combine(aux)
+        ids = input_ids
+        keys, values, out = [], [], []
+        causal = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
+        diag = torch.eye(t, dtype=torch.bool, device=dev)
+        for j in range(steps):
+            a_in, residual = layer.attn_input(self.embed_tokens(ids), hidden)
+            q, k, v = layer.self_attn.qkv(a_in, base + j)
+            keys.append(k)
+            values.append(v)
+            mask = torch.cat([causal] + [diag] * j, dim=1)  # [T, (j+1)T]
+            x = layer.finish(layer.self_attn.attend(q, torch.cat(keys, 2), torch.cat(values, 2), mask), residual)
+            logits = self.logits(x)
+            out.append(logits)
+            if j + 1 < steps:
+                if feed_ids is not None:
+                    nxt = feed_ids(j, logits)
+                else:
+                    nxt = logits.argmax(-1) + self.d2t[logits.argmax(-1)]
+                # Shift: the step-(j+1) query at t consumes the token predicted for t + j + 2.
+                ids = nxt.detach()
+                hidden = x
+        return out
+
+
+def param_count(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def init_from_target(target, aux_layer_ids: list[int] | None, draft_vocab: int | None,
+                     counts: torch.Tensor | None, seed: int) -> Eagle3Head:
+    """A fresh head sized for an HF target: embeddings copied from the target, not random.
+
+    Random ``embed_tokens`` in an exported draft was a shipped failure elsewhere (DESIGN.md); we
+    copy the target's embeddings so the head starts from the target's token geometry.
+    """
+    from draftadapt.drafts.vocab import build_vocab_map
+
+    tc = target.config
+    hidden = tc.hidden_size
+    nh = tc.num_attention_heads
+    nkv = getattr(tc, "num_key_value_heads", nh) or nh
+    head_dim = getattr(tc, "head_dim", None) or hidden // nh
+    layers = aux_layer_ids or default_aux_layers(tc.num_hidden_layers)
+    for k in layers:
+        if not 0 <= k <= tc.num_hidden_layers:
+            raise ValueError(
+                f"aux layer id {k} is outside 0..{tc.num_hidden_layers} for this "
+                f"{tc.num_hidden_layers}-layer target"
+            )
+    vt = tc.vocab_size
+    vd = draft_vocab or vt
+    rope_theta = _rope_theta(tc)
+    cfg = Eagle3Config(
+        hidden_size=hidden,
+        intermediate_size=tc.intermediate_size,
+        num_attention_heads=nh,
+        num_key_value_heads=nkv,
+        head_dim=head_dim,
+        target_hidden_size=hidden,
+        target_vocab_size=vt,
+        draft_vocab_size=vd,
+        aux_layer_ids=list(layers),
+        max_position_embeddings=tc.max_position_embeddings,
+        rope_theta=rope_theta,
+        rms_norm_eps=tc.rms_norm_eps,
+        target_model_type=tc.model_type,
+        target_num_layers=tc.num_hidden_layers,
+    )
+    head = Eagle3Head(cfg)
+    head.init_weights(seed)
+    with torch.no_grad():
+        head.embed_tokens.weight.copy_(target.get_input_embeddings().weight.float())
+        if counts is None:
+            counts = torch.ones(vt)
+        d2t, t2d = build_vocab_map(counts, vd)
+        head.d2t.copy_(d2t)
+        head.t2d.copy_(t2d)
+    return head
+
+
+def _rope_theta(hf_config) -> float:
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    if isinstance(params, dict) and "rope_theta" in params:
+        return float(params["rope_theta"])
+    theta = getattr(hf_config, "rope_theta", None)
+    return float(theta) if theta is not None else 10000.0
+

@@ -1,0 +1,444 @@
+"""Draft directories on disk: export and import in the formats vLLM and other trainers use.
+
+Three layouts, each a directory with ``config.json``, ``model.safetensors`` and our
+``draftadapt.json`` (target fingerprint, versions, sha256):
+
+- ``speculators`` (vLLM speculators / SpecForge export): config has
+  ``speculators_model_type: eagle3``, a ``transformer_layer_config`` (llama), and the Eagle-3
+  fields; weights named ``layers.0.*``.
+- ``eagle`` (original EAGLE-3 release): a llama config with architecture
+  ``LlamaForCausalLMEagle3``; weights named ``midlayer.*``.
+- ``hf`` (the small draft LM for ``method="draft_model"``): a plain transformers model dir
+  with the target's tokenizer.
+
+Everything a loader could otherwise guess is written explicitly: aux layer ids, draft vocab
+size, max positions, ``norm_before_residual`` and which modules are shared with the target
+(always none: a shared ``embed_tokens`` in vLLM is the target's own module, and writing it on a
+draft swap would overwrite the policy; DESIGN.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from draftadapt.drafts.eagle3 import Eagle3Config, Eagle3Head
+from draftadapt.drafts.vocab import check_vocab_map
+
+META_FILE = "draftadapt.json"
+WEIGHTS_FILE = "model.safetensors"
+EAGLE3_ARCH = "LlamaForCausalLMEagle3"
+
+
+class DraftFormatError(ValueError):
+    """A draft directory that cannot serve the given target; the message says why and what to do."""
+
+
+# --------------------------------------------------------------------------- target identity
+
+def tokenizer_digest(target_dir: str | Path) -> str:
+    """sha256 of the target's vocabulary (token -> id), so a draft can name the tokenizer it was built for."""
+    from transformers import AutoTokenizer
+
+    target_dir = Path(target_dir)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(target_dir))
+    except Exception as exc:  # transformers raises several types for a missing tokenizer
+        raise DraftFormatError(
+            f"no usable tokenizer in {target_dir} ({type(exc).__name__}: {exc}); save the target's "
+            "tokenizer there with tokenizer.save_pretrained(DIR)"
+        ) from None
+    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
+    return hashlib.sha256(json.dumps(vocab).encode()).hexdigest()
+
+
+def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise DraftFormatError(f"{path} is missing; {model_dir} is not a model directory")
+    return json.loads(path.read_text())
+
+
+def target_fingerprint(target_dir: str | Path) -> dict[str, Any]:
+    cfg = read_hf_config(target_dir)
+    if "text_config" in cfg:  # multimodal wrappers keep the LM config one level down
+        cfg = {**cfg, **cfg["text_config"]}
+    return {
+        "model_type": cfg.get("model_type"),
+        "hidden_size": cfg.get("hidden_size"),
+        "num_hidden_layers": cfg.get("num_hidden_layers"),
+        "vocab_size": cfg.get("vocab_size"),
+        "max_position_embeddings": cfg.get("max_position_embeddings"),
+        "tokenizer_sha256": tokenizer_digest(target_dir),
+    }
+
+
+def file_sha256(path: str | Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+# --------------------------------------------------------------------------- atomic writes
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """temp file in the same directory, fsync, rename: a reader sees the old file or the new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_json(path: Path, obj: Any) -> None:
+    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode())
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# --------------------------------------------------------------------------- Eagle-3 export
+
+def _layer_config(cfg: Eagle3Config) -> dict[str, Any]:
+    """The llama config of the head's single decoder layer, as transformers writes it."""
+    from transformers import LlamaConfig
+
+    lc = LlamaConfig(
+        vocab_size=cfg.target_vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=1,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim,
+        max_position_embeddings=cfg.max_position_embeddings,
+        rms_norm_eps=cfg.rms_norm_eps,
+        rope_theta=cfg.rope_theta,
+        tie_word_embeddings=False,
+    ).to_dict()
+    lc["architectures"] = [EAGLE3_ARCH]
+    lc.pop("transformers_version", None)
+    return lc
+
+
+def eagle3_state_dict(head: Eagle3Head, fmt: str) -> dict[str, torch.Tensor]:
+    """Checkpoint names for ``fmt``; d2t/t2d only when the draft vocab is reduced.
+
+    vLLM keeps ``draft_id_to_target_id`` only when draft vocab != target vocab and would reject a
+    ``d2t`` it has no parameter for.
+    """
+    sd = {k: v.detach().to(torch.float32).contiguous().clone() for k, v in head.state_dict().items()}
+    sd["d2t"] = head.d2t.to(torch.int64).clone()
+    sd["t2d"] = head.t2d.to(torch.bool).clone()
+    if head.cfg.draft_vocab_size == head.cfg.target_vocab_size:
+        del sd["d2t"], sd["t2d"]
+    if fmt == "eagle":
+        sd = {k.replace("layers.0.", "midlayer.", 1): v for k, v in sd.items()}
+    return sd
+
+
+def export_eagle3(
+    head: Eagle3Head,
+    out: str | Path,
+    target_dir: str | Path,
+    fmt: str = "speculators",
+    num_speculative_tokens: int = 3,
+    meta: dict[str, Any] | None = None,
+) -> Path:
+    """Write ``head`` as a draft directory vLLM loads with ``method="eagle3"``."""
+    out = Path(out)
+    cfg = head.cfg
+    fp = target_fingerprint(target_dir)
+    _check_head_fits(cfg, fp, where=f"export to {out}")
+    aux = list(cfg.aux_layer_ids)
+    explicit = {
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "target_hidden_size": cfg.target_hidden_size,
+        "norm_before_residual": cfg.norm_before_residual,
+        "eagle_aux_hidden_state_layer_ids": aux,
+    }
+    if fmt == "speculators":
+        config = {
+            "architectures": ["Eagle3Speculator"],
+            "speculators_model_type": "eagle3",
+            "speculators_version": "0.3.0",
+            **explicit,
+            "transformer_layer_config": _layer_config(cfg),
+            "speculators_config": {
+                "algorithm": "eagle3",
+                "default_proposal_method": "greedy",
+                "proposal_methods": [
+                    {"proposal_type": "greedy", "speculative_tokens": num_speculative_tokens}
+                ],
+                "verifier": {
+                    "name_or_path": str(Path(target_dir).resolve()),
+                    "architectures": read_hf_config(target_dir).get("architectures", []),
+                },
+            },
+        }
+    elif fmt == "eagle":
+        config = {
+            **_layer_config(cfg),
+            **explicit,
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux, "use_aux_hidden_state": True},
+        }
+    else:
+        raise DraftFormatError(f"unknown Eagle-3 format {fmt!r}; use 'speculators' or 'eagle'")
+    sd = eagle3_state_dict(head, fmt)
+    info = {
+        "method": "eagle3",
+        "format": fmt,
+        "head_config": cfg.to_dict(),
+        "target": fp,
+        "shared_modules": [],
+        "max_position_embeddings": cfg.max_position_embeddings,
+        **(meta or {}),
+    }
+    return _write_draft_dir(out, config, sd, info)
+
+
+def _write_draft_dir(out: Path, config: dict, sd: dict[str, torch.Tensor], info: dict) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    # Weights first, metadata last: a directory whose draftadapt.json names a sha256 is complete.
+    tmp = out / f".{WEIGHTS_FILE}.tmp"
+    save_file(sd, str(tmp))
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, out / WEIGHTS_FILE)
+    atomic_write_json(out / "config.json", config)
+    info = {**info, "sha256": file_sha256(out / WEIGHTS_FILE)}
+    atomic_write_json(out / META_FILE, info)
+    fsync_dir(out)
+    return out
+
+
+# --------------------------------------------------------------------------- Eagle-3 import
+
+def _read_weights(draft_dir: Path) -> dict[str, torch.Tensor]:
+    st = draft_dir / WEIGHTS_FILE
+    if st.is_file():
+        try:
+            return load_file(str(st))
+        except Exception as exc:
+            raise DraftFormatError(
+                f"{st} is not a readable safetensors file ({exc}); it is truncated or corrupt, "
+                "re-export the draft"
+            ) from None
+    bins = sorted(draft_dir.glob("*.bin"))
+    if bins:  # original EAGLE releases ship pytorch_model.bin
+        sd: dict[str, torch.Tensor] = {}
+        for b in bins:
+            sd.update(torch.load(b, map_location="cpu", weights_only=True))
+        return sd
+    raise DraftFormatError(f"no {WEIGHTS_FILE} or *.bin weights in {draft_dir}")
+
+
+def detect_format(config: dict) -> str:
+    if config.get("speculators_model_type") == "eagle3":
+        return "speculators"
+    archs = config.get("architectures") or []
+    if any("Eagle3" in a for a in archs):
+        return "eagle"
+    if config.get("speculators_model_type"):
+        raise DraftFormatError(
+            f"speculators model type {config['speculators_model_type']!r} is not Eagle-3; "
+            "draftadapt trains Eagle-3 heads and small draft LMs"
+        )
+    return "hf"
+
+
+def load_eagle3(draft_dir: str | Path, target_dir: str | Path | None = None) -> Eagle3Head:
+    """Read an Eagle-3 draft in either format into an :class:`Eagle3Head`.
+
+    Missing pieces a foreign checkpoint may omit are filled from the target, never left random:
+    ``embed_tokens`` (copied from the target's embeddings) and the aux layer ids (vLLM's default
+    for the target depth). ``target_dir`` is required for those cases.
+    """
+    draft_dir = Path(draft_dir)
+    config = read_hf_config(draft_dir)
+    fmt = detect_format(config)
+    if fmt == "hf":
+        raise DraftFormatError(
+            f"{draft_dir} is a plain HF model, not an Eagle-3 head; serve it with method='draft_model'"
+        )
+    layer = config["transformer_layer_config"] if fmt == "speculators" else config
+    sd = _read_weights(draft_dir)
+    sd = {k.replace("midlayer.", "layers.0.", 1).removeprefix("model."): v for k, v in sd.items()}
+    tfp = target_fingerprint(target_dir) if target_dir is not None else None
+    aux = config.get("eagle_aux_hidden_state_layer_ids") or (config.get("eagle_config") or {}).get(
+        "eagle_aux_hidden_state_layer_ids"
+    )
+    if not aux:
+        if tfp is None:
+            raise DraftFormatError(
+                f"{draft_dir} does not name its aux layers; pass the target so they can be set"
+            )
+        from draftadapt.drafts.eagle3 import default_aux_layers
+
+        aux = default_aux_layers(tfp["num_hidden_layers"])
+    hidden = layer["hidden_size"]
+    nh = layer["num_attention_heads"]
+    vt = layer.get("vocab_size") or (tfp or {}).get("vocab_size")
+    vd = config.get("draft_vocab_size") or layer.get("draft_vocab_size") or vt
+    rope = layer.get("rope_parameters") or {}
+    theta = rope.get("rope_theta", layer.get("rope_theta", 10000.0))
+    cfg = Eagle3Config(
+        hidden_size=hidden,
+        intermediate_size=layer["intermediate_size"],
+        num_attention_heads=nh,
+        num_key_value_heads=layer.get("num_key_value_heads") or nh,
+        head_dim=layer.get("head_dim") or hidden // nh,
+        target_hidden_size=config.get("target_hidden_size") or layer.get("target_hidden_size") or hidden,
+        target_vocab_size=vt,
+        draft_vocab_size=vd,
+        aux_layer_ids=list(aux),
+        max_position_embeddings=layer.get("max_position_embeddings", 2048),
+        rope_theta=float(theta),
+        rms_norm_eps=layer.get("rms_norm_eps", 1e-6),
+        # vLLM's speculators parser defaults this to True, the plain-config path to False.
+        norm_before_residual=bool(config.get("norm_before_residual", fmt == "speculators")),
+        target_model_type=(tfp or {}).get("model_type") or "llama",
+        target_num_layers=(tfp or {}).get("num_hidden_layers") or 0,
+    )
+    head = Eagle3Head(cfg)
+    if "embed_tokens.weight" not in sd:
+        if target_dir is None:
+            raise DraftFormatError(
+                f"{draft_dir} has no embed_tokens (it shares the target's); pass the target so "
+                "they can be copied in"
+            )
+        sd["embed_tokens.weight"] = _target_embeddings(target_dir)
+    if "d2t" not in sd:
+        sd["d2t"] = torch.zeros(vd, dtype=torch.int64)
+    if "t2d" not in sd:
+        t2d = torch.zeros(vt, dtype=torch.bool)
+        t2d[torch.arange(vd) + sd["d2t"]] = True
+        sd["t2d"] = t2d
+    expected = head.state_dict()
+    problems = []
+    for name, ref in expected.items():
+        if name not in sd:
+            problems.append(f"missing {name}")
+        elif tuple(sd[name].shape) != tuple(ref.shape):
+            problems.append(f"{name} has shape {tuple(sd[name].shape)}, expected {tuple(ref.shape)}")
+    extra = sorted(set(sd) - set(expected))
+    if extra:
+        problems.append(f"unexpected tensors {extra[:5]}")
+    if problems:
+        raise DraftFormatError(f"{draft_dir}: weights do not match its config: " + "; ".join(problems))
+    head.load_state_dict({k: sd[k].to(expected[k].dtype) for k in expected})
+    check_vocab_map(head.d2t, head.t2d, vt, where=str(draft_dir))
+    if tfp is not None:
+        _check_head_fits(cfg, tfp, where=str(draft_dir))
+    return head
+
+
+def _target_embeddings(target_dir: str | Path) -> torch.Tensor:
+    from safetensors import safe_open
+
+    for f in sorted(Path(target_dir).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            for key in st.keys():
+                if key.endswith("embed_tokens.weight"):
+                    return st.get_tensor(key).float()
+    raise DraftFormatError(f"no embed_tokens.weight in {target_dir}/*.safetensors")
+
+
+# --------------------------------------------------------------------------- fit checks
+
+def _check_head_fits(cfg: Eagle3Config, fp: dict[str, Any], where: str) -> None:
+    """Refuse a head that cannot serve this target, naming the mismatch and the fix."""
+    if cfg.target_hidden_size != fp["hidden_size"]:
+        raise DraftFormatError(
+            f"{where}: the head reads target hidden size {cfg.target_hidden_size}, the target has "
+            f"{fp['hidden_size']}; initialise a head for this target with `draftadapt draft init`"
+        )
+    if cfg.target_vocab_size != fp["vocab_size"]:
+        raise DraftFormatError(
+            f"{where}: draft built for vocab {cfg.target_vocab_size}, the target has "
+            f"{fp['vocab_size']}; re-export the draft for this target"
+        )
+    bad = [k for k in cfg.aux_layer_ids if not 0 <= k <= fp["num_hidden_layers"]]
+    if bad or len(set(cfg.aux_layer_ids)) != len(cfg.aux_layer_ids):
+        raise DraftFormatError(
+            f"{where}: aux layer ids {list(cfg.aux_layer_ids)} do not fit a "
+            f"{fp['num_hidden_layers']}-layer target (need distinct ids in 0..{fp['num_hidden_layers']})"
+        )
+    check_max_positions(cfg.max_position_embeddings, fp["max_position_embeddings"], where)
+
+
+def check_max_positions(draft_max: int, target_max: int | None, where: str) -> None:
+    if target_max is not None and draft_max < target_max:
+        raise DraftFormatError(
+            f"{where}: draft max_position_embeddings {draft_max} is below the target's {target_max}; "
+            "vLLM would clamp RoPE and acceptance collapses past that position. Export with "
+            f"max_position_embeddings >= {target_max}"
+        )
+
+
+def check_draft_for_target(draft_dir: str | Path, target_dir: str | Path) -> dict[str, Any]:
+    """Everything about a draft dir that must hold before an engine is started with it.
+
+    Returns the draft's draftadapt.json (or a minimal one for foreign drafts).
+    """
+    draft_dir, target_dir = Path(draft_dir), Path(target_dir)
+    config = read_hf_config(draft_dir)
+    fmt = detect_format(config)
+    meta_path = draft_dir / META_FILE
+    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {"format": fmt}
+    tfp = target_fingerprint(target_dir)
+    recorded = meta.get("target")
+    if recorded and recorded.get("tokenizer_sha256") not in (None, tfp["tokenizer_sha256"]):
+        raise DraftFormatError(
+            f"{draft_dir} was exported for another target (tokenizer differs from {target_dir}); "
+            "initialise or re-export a draft for this target"
+        )
+    weights = draft_dir / WEIGHTS_FILE
+    if meta.get("sha256") and weights.is_file() and file_sha256(weights) != meta["sha256"]:
+        raise DraftFormatError(
+            f"{weights} does not match the sha256 in {meta_path}; the file is truncated or was "
+            "changed after export. Re-export the draft"
+        )
+    if fmt == "hf":
+        if config.get("vocab_size") != tfp["vocab_size"]:
+            raise DraftFormatError(
+                f"draft LM {draft_dir} has vocab {config.get('vocab_size')}, the target "
+                f"{tfp['vocab_size']}; a draft_model must share the target's tokenizer"
+            )
+        check_max_positions(config.get("max_position_embeddings", 0), tfp["max_position_embeddings"], str(draft_dir))
+        tok = tokenizer_digest(draft_dir) if (draft_dir / "tokenizer_config.json").is_file() else None
+        if tok is not None and tok != tfp["tokenizer_sha256"]:
+            raise DraftFormatError(
+                f"draft LM {draft_dir} has a different tokenizer than {target_dir}; a draft_model "
+                "must share the target's tokenizer"
+            )
+    else:
+        load_eagle3(draft_dir, target_dir)  # full shape/vocab/aux/positions check
+    return meta
+
+
+def copy_tokenizer(src: str | Path, dst: str | Path) -> None:
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (Path(src) / name).is_file():
+            shutil.copy2(Path(src) / name, Path(dst) / name)

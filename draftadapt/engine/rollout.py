@@ -1,0 +1,398 @@
+"""The rollout engine: a running vLLM with a draft, whose draft and policy weights change in place.
+
+The only place (with ``worker_ext.py`` and ``cpu_fix.py``) that imports vllm. Training code hands
+it published files; it returns what actually serves (version + checksum read back from the
+worker) and the speculative-decoding counters of each ``generate`` call as deltas.
+
+Start it inside ``if __name__ == "__main__":`` (vLLM spawns workers) and share one per process:
+start-up costs 20-30 s on CPU even for a tiny model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from draftadapt.drafts.formats import (
+    META_FILE,
+    WEIGHTS_FILE,
+    DraftFormatError,
+    check_draft_for_target,
+    file_sha256,
+    read_hf_config,
+    tokenizer_digest,
+)
+
+WORKER_EXT = "draftadapt.engine.worker_ext.DraftAdaptWorkerExtension"
+
+
+class DraftSwapError(RuntimeError):
+    """A draft that could not be swapped in; the engine still serves the previous one."""
+
+
+@dataclass
+class SpecMetrics:
+    """Speculative-decoding counters over one or more generate calls (deltas, not cumulative).
+
+    Summed as counts so they stay right when merged; rates are divided at the end.
+    """
+
+    drafts: int = 0  # verification steps that carried a draft
+    draft_tokens: int = 0  # proposed tokens
+    accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)  # [k] accepted at position i
+
+    @property
+    def acceptance_length(self) -> float:
+        """Tokens emitted per target forward: 1 (the bonus/corrected token) + accepted per draft."""
+        return 1.0 + self.accepted_tokens / self.drafts if self.drafts else float("nan")
+
+    @property
+    def per_position_rate(self) -> list[float]:
+        return [a / self.drafts if self.drafts else float("nan") for a in self.accepted_per_pos]
+
+    def __add__(self, other: "SpecMetrics") -> "SpecMetrics":
+        n = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
+        pad = lambda v: list(v) + [0] * (n - len(v))  # noqa: E731
+        return SpecMetrics(
+            self.drafts + other.drafts,
+            self.draft_tokens + other.draft_tokens,
+            self.accepted_tokens + other.accepted_tokens,
+            [a + b for a, b in zip(pad(self.accepted_per_pos), pad(other.accepted_per_pos))],
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "drafts": self.drafts,
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "acceptance_length": self.acceptance_length,
+            "per_position_acceptance": self.per_position_rate,
+        }
+
+
+@dataclass
+class Rollout:
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    logprobs: list[float] | None  # log p_policy(token) per generated token, when asked for
+    finish_reason: str | None
+
+
+@dataclass
+class GenerateResult:
+    rollouts: list[Rollout]
+    spec: SpecMetrics
+    seconds: float
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(r.token_ids) for r in self.rollouts)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_tokens / self.seconds if self.seconds > 0 else float("nan")
+
+
+@dataclass
+class SwapResult:
+    version: int | None  # the draft version now live, read back from the worker
+    checksum: str  # fingerprint of the live draft weights, read back from the worker
+    ms: float  # wall time of the swap round trip
+
+
+def _read_spec_counters(llm) -> SpecMetrics:
+    out = SpecMetrics()
+    for m in llm.get_metrics():
+        if m.name == "vllm:spec_decode_num_drafts":
+            out.drafts += int(m.value)
+        elif m.name == "vllm:spec_decode_num_draft_tokens":
+            out.draft_tokens += int(m.value)
+        elif m.name == "vllm:spec_decode_num_accepted_tokens":
+            out.accepted_tokens += int(m.value)
+        elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            vals = [int(v) for v in m.values]
+            if len(out.accepted_per_pos) < len(vals):
+                out.accepted_per_pos += [0] * (len(vals) - len(out.accepted_per_pos))
+            for i, v in enumerate(vals):
+                out.accepted_per_pos[i] += v
+    return out
+
+
+def _delta(after: SpecMetrics, before: SpecMetrics) -> SpecMetrics:
+    n = len(after.accepted_per_pos)
+    prev = list(before.accepted_per_pos) + [0] * (n - len(before.accepted_per_pos))
+    return SpecMetrics(
+        after.drafts - before.drafts,
+        after.draft_tokens - before.draft_tokens,
+        after.accepted_tokens - before.accepted_tokens,
+        [a - b for a, b in zip(after.accepted_per_pos, prev)],
+    )
+
+
+def _weight_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), "pt") as f:
+            return {k.replace("midlayer.", "layers.0.", 1): tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    except Exception as exc:
+        raise DraftSwapError(f"{path} is not a readable safetensors file ({exc}); not swapped") from None
+
+
+class RolloutEngine:
+    """A vLLM ``LLM`` serving ``target`` with an optional draft, plus in-place weight updates."""
+
+    def __init__(
+        self,
+        target: str | Path,
+        draft: str | Path | None = None,
+        method: str = "eagle3",
+        num_speculative_tokens: int = 3,
+        max_model_len: int = 256,
+        max_num_seqs: int = 64,
+        kv_cache_gib: int = 1,
+        seed: int = 0,
+        threads: int | None = None,
+        enforce_eager: bool = True,
+    ):
+        self.target = Path(target)
+        self.method = method if draft is not None else None
+        self.k = num_speculative_tokens if draft is not None else 0
+        # Checks that vLLM would otherwise fail on late and cryptically (or not at all).
+        tokenizer_digest(self.target)
+        self._draft_ref_shapes: dict[str, tuple[int, ...]] | None = None
+        self.draft_dir: Path | None = None
+        meta: dict[str, Any] = {}
+        if draft is not None:
+            if method not in ("eagle3", "draft_model"):
+                raise DraftFormatError(f"unknown draft method {method!r}; use eagle3 or draft_model")
+            meta = check_draft_for_target(draft, self.target)
+            fmt = meta.get("format")
+            if method == "eagle3" and fmt == "hf":
+                raise DraftFormatError(f"{draft} is an HF draft LM; start the engine with method='draft_model'")
+            if method == "draft_model" and fmt in ("speculators", "eagle"):
+                raise DraftFormatError(f"{draft} is an Eagle-3 head; start the engine with method='eagle3'")
+            self.draft_dir = Path(draft)
+            self._draft_ref_shapes = _weight_shapes(self.draft_dir / WEIGHTS_FILE)
+
+        # The CPU backend reserves ~92% of RAM for the first engine unless told (DESIGN.md).
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gib)))  # whole GiB
+        saved_threads = os.environ.get("OMP_NUM_THREADS")
+        if threads is not None:
+            os.environ["OMP_NUM_THREADS"] = str(threads)
+        from vllm import LLM
+
+        spec = None
+        if draft is not None:
+            spec = {"method": method, "model": str(draft), "num_speculative_tokens": num_speculative_tokens}
+            if method == "draft_model":
+                spec["max_model_len"] = max_model_len
+        t0 = time.perf_counter()
+        try:
+            self.llm = LLM(
+                model=str(self.target),
+                speculative_config=spec,
+                max_model_len=max_model_len,
+                max_num_seqs=max_num_seqs,
+                seed=seed,
+                dtype="float32",
+                enforce_eager=enforce_eager,
+                disable_log_stats=False,
+                worker_extension_cls=WORKER_EXT,
+            )
+        finally:
+            if threads is not None:
+                if saved_threads is None:
+                    os.environ.pop("OMP_NUM_THREADS", None)
+                else:
+                    os.environ["OMP_NUM_THREADS"] = saved_threads
+        self.startup_s = time.perf_counter() - t0
+        self.tokenizer = self.llm.get_tokenizer()
+        self._draft_version = meta.get("version")
+        self._draft_sha = meta.get("sha256")
+        if draft is not None:
+            # Record what serves now so the first swap has a checksum to compare against.
+            state = self._rpc("da_draft_state")
+            self._live_checksum = state["checksum"]
+        else:
+            self._live_checksum = None
+
+    # ------------------------------------------------------------------ generation
+
+    def _rpc(self, name: str, *args) -> Any:
+        results = self.llm.collective_rpc(name, args=args)
+        return results[0]
+
+    def spec_counters(self) -> SpecMetrics:
+        return _read_spec_counters(self.llm)
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]] | Sequence[str],
+        temperature: float = 1.0,
+        max_tokens: int = 64,
+        seed: int | None = None,
+        logprobs: bool = False,
+        stop_token_ids: list[int] | None = None,
+        top_p: float = 1.0,
+        progress: bool = False,
+    ) -> GenerateResult:
+        """Generate one completion per prompt; returns rollouts and this call's spec metrics."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(
+            temperature=temperature,
+            top_p=top_p,
+            max_tokens=max_tokens,
+            seed=seed,
+            logprobs=0 if logprobs else None,
+            stop_token_ids=stop_token_ids,
+        )
+        inputs = [p if isinstance(p, str) else TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
+        before = self.spec_counters()
+        t0 = time.perf_counter()
+        outs = self.llm.generate(inputs, params, use_tqdm=progress)
+        seconds = time.perf_counter() - t0
+        spec = _delta(self.spec_counters(), before)
+        rollouts = []
+        for o in outs:
+            c = o.outputs[0]
+            lps = None
+            if logprobs and c.logprobs is not None:
+                lps = [float(step[tok].logprob) for step, tok in zip(c.logprobs, c.token_ids)]
+            rollouts.append(Rollout(list(o.prompt_token_ids), list(c.token_ids), c.text, lps, c.finish_reason))
+        return GenerateResult(rollouts, spec, seconds)
+
+    # ------------------------------------------------------------------ draft swap
+
+    def draft_state(self) -> dict[str, Any]:
+        """{"checksum", "version"} of the draft that serves now, read back from the worker."""
+        return self._rpc("da_draft_state")
+
+    def _validate_draft_file(self, draft_dir: Path) -> tuple[Path, str, int | None]:
+        if self._draft_ref_shapes is None:
+            raise DraftSwapError("this engine was started without a draft; nothing to swap")
+        weights = draft_dir / WEIGHTS_FILE
+        meta_path = draft_dir / META_FILE
+        if not weights.is_file() or not meta_path.is_file():
+            raise DraftSwapError(f"{draft_dir} is not a complete published draft (needs {WEIGHTS_FILE} and {META_FILE})")
+        try:
+            meta = json.loads(meta_path.read_text())
+        except json.JSONDecodeError as exc:
+            raise DraftSwapError(f"{meta_path} is corrupt ({exc}); not swapped") from None
+        sha = file_sha256(weights)
+        if meta.get("sha256") and meta["sha256"] != sha:
+            raise DraftSwapError(
+                f"{weights} does not match the sha256 in {meta_path} (truncated or corrupt); "
+                "the previous draft keeps serving"
+            )
+        shapes = _weight_shapes(weights)
+        if shapes != self._draft_ref_shapes:
+            missing = sorted(set(self._draft_ref_shapes) - set(shapes))
+            extra = sorted(set(shapes) - set(self._draft_ref_shapes))
+            wrong = sorted(k for k in set(shapes) & set(self._draft_ref_shapes) if shapes[k] != self._draft_ref_shapes[k])
+            raise DraftSwapError(
+                f"{weights} does not fit the serving draft (missing {missing[:4]}, unexpected {extra[:4]}, "
+                f"wrong shape {wrong[:4]}); a swap keeps the architecture, restart the engine to change it"
+            )
+        return weights, sha, meta.get("version")
+
+    def swap_draft(self, draft_dir: str | Path) -> SwapResult:
+        """Load a published draft version into the running engine, in place, without a restart.
+
+        The file is checked (sha256 against its manifest, tensor names and shapes against the
+        serving draft) before anything in the engine is touched; a bad file raises
+        :class:`DraftSwapError` and the previous draft keeps serving.
+        """
+        t0 = time.perf_counter()
+        weights, sha, version = self._validate_draft_file(Path(draft_dir))
+        try:
+            state = self._rpc("da_load_draft", str(weights), sha, version)
+        except Exception as exc:
+            raise DraftSwapError(f"the engine refused {weights}: {exc}") from None
+        self._live_checksum = state["checksum"]
+        self._draft_version = version
+        self._draft_sha = sha
+        self.draft_dir = Path(draft_dir)
+        return SwapResult(version=state["version"], checksum=state["checksum"], ms=(time.perf_counter() - t0) * 1e3)
+
+    # ------------------------------------------------------------------ policy update
+
+    def update_policy(self, weights: str | Path | dict[str, torch.Tensor]) -> dict[str, Any]:
+        """Load new policy (target) weights in place and reset the prefix cache.
+
+        ``weights``: a safetensors file of HF-named tensors, or such a state dict (written to a
+        temporary file: RPC arguments must be paths). Stale prefix-cache KV would corrupt logprobs,
+        so the cache is reset. Returns the policy checksum and the draft state read back after it.
+        """
+        t0 = time.perf_counter()
+        tmp = None
+        if isinstance(weights, dict):
+            from safetensors.torch import save_file
+
+            fd, tmp = tempfile.mkstemp(suffix=".safetensors", prefix="draftadapt-policy-")
+            os.close(fd)
+            save_file({k: v.detach().to(torch.float32).contiguous() for k, v in weights.items()}, tmp)
+            path = tmp
+        else:
+            path = str(weights)
+        try:
+            result = self._rpc("da_load_policy", path, None)
+        finally:
+            if tmp is not None:
+                Path(tmp).unlink(missing_ok=True)
+        self.llm.reset_prefix_cache()
+        result["ms"] = (time.perf_counter() - t0) * 1e3
+        if self.draft_dir is not None:
+            result["draft"] = self.draft_state()
+        return result
+
+    def policy_checksum(self) -> str:
+        return self._rpc("da_policy_checksum")
+
+    @property
+    def live_checksum(self) -> str | None:
+        """The draft checksum this object last saw the worker report (after start or a swap)."""
+        return self._live_checksum
+
+    @property
+    def draft_version(self) -> int | None:
+        return self._draft_version
+
+    def close(self) -> None:
+        llm = getattr(self, "llm", None)
+        if llm is None:
+            return
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        except Exception:
+            pass
+        self.llm = None
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile, q in [0, 100]."""
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    idx = min(len(s) - 1, max(0, int(round(q / 100.0 * len(s) + 0.5)) - 1))
+    return s[idx]
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def target_max_positions(target: str | Path) -> int:
+    return int(read_hf_config(target).get("max_position_embeddings", 0))

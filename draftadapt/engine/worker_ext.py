@@ -1,0 +1,83 @@
+"""Methods mixed into every vLLM worker (``worker_extension_cls``), called via ``collective_rpc``.
+
+Arguments are file paths, never tensors (tensor arguments fail to pickle across the RPC:
+``cannot pickle memoryview objects``; DESIGN.md). Weights are loaded in place with vLLM's
+layerwise reload: a plain ``load_weights`` fails on CPU because the CPU GEMM path repacks
+weights (``Attempted to load weight ... into parameter (torch.Size([0]))``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from pathlib import Path
+
+import torch
+
+
+def module_checksum(module: torch.nn.Module) -> str:
+    """A fingerprint of the weights a module serves with, as read back from its parameters.
+
+    Layout-independent (CPU GEMM repacking permutes storage but keeps values), so it changes when
+    and only when the values change: per parameter, the float64 sum and sum of squares.
+    """
+    h = hashlib.sha256()
+    for name, p in sorted(module.named_parameters(), key=lambda kv: kv[0]):
+        if p.numel() == 0:
+            continue
+        x = p.detach().to(torch.float64)
+        h.update(f"{name}:{x.sum().item():.9e}:{x.pow(2).sum().item():.9e};".encode())
+    return h.hexdigest()[:16]
+
+
+def _read_checkpoint(path: str, sha256: str | None) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load
+
+    data = Path(path).read_bytes()
+    if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
+        raise ValueError(f"{path}: sha256 does not match the manifest; refusing to load it")
+    return load(data)
+
+
+class DraftAdaptWorkerExtension:
+    """In-place weight updates for the draft and the policy, and read-back of what serves."""
+
+    def _da_reload(self, model: torch.nn.Module, weights: dict[str, torch.Tensor], model_config) -> None:
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload.layerwise import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
+
+        with set_current_vllm_config(self.vllm_config), torch.no_grad():
+            initialize_layerwise_reload(model)
+            model.load_weights(iter(weights.items()))
+            finalize_layerwise_reload(model, model_config)
+
+    def da_draft_state(self) -> dict:
+        draft = self.get_draft_model()
+        if draft is None:
+            return {"checksum": None, "version": None}
+        return {"checksum": module_checksum(draft), "version": getattr(self, "_da_draft_version", None)}
+
+    def da_load_draft(self, path: str, sha256: str | None, version: int | None) -> dict:
+        """Load a published draft file into the running drafter; returns the new state and ms."""
+        t0 = time.perf_counter()
+        draft = self.get_draft_model()
+        if draft is None:
+            raise RuntimeError("this engine was started without a draft; nothing to swap")
+        weights = _read_checkpoint(path, sha256)
+        self._da_reload(draft, weights, self.vllm_config.speculative_config.draft_model_config)
+        self._da_draft_version = version
+        ms = (time.perf_counter() - t0) * 1e3
+        return {"checksum": module_checksum(draft), "version": version, "worker_ms": ms}
+
+    def da_load_policy(self, path: str, sha256: str | None) -> dict:
+        t0 = time.perf_counter()
+        model = self.get_model()
+        weights = _read_checkpoint(path, sha256)
+        self._da_reload(model, weights, self.vllm_config.model_config)
+        return {"policy_checksum": module_checksum(model), "worker_ms": (time.perf_counter() - t0) * 1e3}
+
+    def da_policy_checksum(self) -> str:
+        return module_checksum(self.get_model())
