@@ -37,6 +37,20 @@ def _parser() -> argparse.ArgumentParser:
         help="start from an existing Eagle-3 draft (speculators or original EAGLE format)",
     )
 
+    pre = sub.add_parser("pretrain", help="train a draft on the target's own outputs before RL")
+    pre.add_argument("recipe", help="YAML recipe, e.g. recipes/pretrain_eagle3_toy.yaml")
+    pre.add_argument("overrides", nargs="*", help="key=value overrides")
+
+    ev = sub.add_parser("eval", help="acceptance (measured in vLLM and simulated) and speed of a draft")
+    ev.add_argument("--target", required=True)
+    ev.add_argument("--draft", required=True)
+    ev.add_argument("--k", type=int, default=3, help="speculative tokens per step")
+    ev.add_argument("--temperature", type=float, default=1.0)
+    ev.add_argument("--num-prompts", type=int, default=64)
+    ev.add_argument("--max-tokens", type=int, default=96)
+    ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--json", action="store_true", help="print only the JSON object")
+
     sim = sub.add_parser("simulate", help="project RL step time with speculation and adaptation")
     sim.add_argument("recipe", help="YAML recipe, e.g. recipes/sim_qwen3_8b_sync.yaml")
     sim.add_argument("overrides", nargs="*", help="key=value overrides")
@@ -57,6 +71,18 @@ def main(argv: list[str] | None = None) -> int:
         return init_cli(
             target=args.target, method=args.method, out=args.out, fmt=args.format,
             seed=args.seed, source=args.source,
+        )
+    if args.command == "pretrain":
+        from draftadapt.pretrain import pretrain_cli
+
+        return pretrain_cli(args.recipe, args.overrides)
+    if args.command == "eval":
+        from draftadapt.evaluate import eval_cli
+
+        return eval_cli(
+            target=args.target, draft=args.draft, k=args.k, temperature=args.temperature,
+            num_prompts=args.num_prompts, max_tokens=args.max_tokens, seed=args.seed,
+            json_only=args.json,
         )
     if args.command == "simulate":
         from draftadapt.sim.cli import run as simulate
