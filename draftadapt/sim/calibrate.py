@@ -1,0 +1,196 @@
+"""Fit the simulator's free parameters to a real run's telemetry and report the fit error.
+
+    from draftadapt.sim.calibrate import calibrate
+    fit = calibrate(cfg, read_telemetry("runs/x/telemetry.jsonl"))
+    print(fit.summary())
+
+Each telemetry line becomes the recipe as that step saw it: its sequence count and mean
+response length (gen/tokens / gen/num_seqs), its k and acceptance. The model predicts the
+step's stage times and a least-squares fit on log(predicted / measured) moves the free
+parameters (dotted recipe fields, e.g. ``engine.draft_overhead_ms``). What the telemetry
+cannot tell apart stays as the recipe states it: the defaults free only parameters that the
+logged stages pin down.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields, is_dataclass, replace
+
+import numpy as np
+
+from draftadapt.config import ConfigError
+from draftadapt.sim.config import SimConfig
+from draftadapt.sim.model import median_for_mean, simulate_step
+from draftadapt.sim.telemetry import StepRecord
+
+FITTED_STAGES = ("prepare_s", "gen_s", "logprob_s", "train_s")
+
+# search range of each parameter the fit may move (anything else: [0, inf))
+BOUNDS: dict[str, tuple[float, float]] = {
+    "workload.sigma": (0.05, 3.0),
+    "workload.median_tokens": (16.0, 1e6),
+    "engine.bw_eff": (0.05, 1.0),
+    "engine.flops_eff": (0.05, 1.0),
+    "learner.logprob_mfu": (0.01, 1.0),
+    "learner.train_mfu": (0.01, 1.0),
+}
+
+
+def get_param(cfg: SimConfig, name: str) -> float:
+    section, _, field_name = name.partition(".")
+    obj = getattr(cfg, section, None)
+    if obj is None or not is_dataclass(obj) or field_name not in {f.name for f in fields(obj)}:
+        raise ConfigError(f"cannot fit {name!r}: not a section.field of the recipe")
+    value = getattr(obj, field_name)
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise ConfigError(f"cannot fit {name!r}: it is not a number ({value!r})")
+    return float(value)
+
+
+def set_params(cfg: SimConfig, values: dict[str, float]) -> SimConfig:
+    for name, value in values.items():
+        section, _, field_name = name.partition(".")
+        obj = getattr(cfg, section)
+        if isinstance(getattr(obj, field_name), int) and not isinstance(getattr(obj, field_name), bool):
+            value = int(round(value))
+        cfg = replace(cfg, **{section: replace(obj, **{field_name: value})})
+    return cfg
+
+
+def record_config(cfg: SimConfig, rec: StepRecord) -> SimConfig:
+    """The recipe as the step of ``rec`` ran it: its batch, mean length, k and acceptance."""
+    if rec.num_seqs:
+        cfg = replace(cfg, workload=replace(cfg.workload, rollouts=rec.num_seqs))
+    mean = rec.mean_response
+    if mean is not None:
+        cfg = replace(cfg, workload=replace(cfg.workload, median_tokens=median_for_mean(cfg, mean)))
+    if rec.speculative:
+        alpha = rec.accept_length if rec.accept_length is not None else cfg.spec.accept_length
+        cfg = replace(cfg, spec=replace(cfg.spec, k=rec.k, accept_length=min(alpha, rec.k + 1.0),
+                                        accept_pos=None, accept_floor=1.0, drift_per_step=0.0))
+    return cfg
+
+
+def predict(cfg: SimConfig, rec: StepRecord, mode: str | None = None) -> dict[str, float]:
+    """Stage times the model gives for the step of ``rec``."""
+    mode = mode or cfg.pipeline.modes[0]
+    run = record_config(cfg, rec)
+    st = simulate_step(run, mode, run.spec.accept_length if rec.speculative else None)
+    return {s: getattr(st, s) for s in FITTED_STAGES}
+
+
+@dataclass
+class Residual:
+    record: int  # index in the telemetry
+    stage: str
+    measured: float
+    predicted: float
+
+    @property
+    def rel_err(self) -> float:
+        return self.predicted / self.measured - 1.0
+
+
+@dataclass
+class Fit:
+    params: dict[str, float]  # fitted values by dotted name
+    start: dict[str, float]  # the recipe's values before the fit
+    config: SimConfig  # the recipe with the fitted values
+    residuals: list[Residual]
+
+    def rms(self, stage: str | None = None) -> float:
+        errs = [r.rel_err for r in self.residuals if stage is None or r.stage == stage]
+        return float(np.sqrt(np.mean(np.square(errs)))) if errs else math.nan
+
+    @property
+    def max_abs_err(self) -> float:
+        return max(abs(r.rel_err) for r in self.residuals)
+
+    def summary(self) -> str:
+        lines = ["calibration:"]
+        for name, value in self.params.items():
+            lines.append(f"  {name:32s} {self.start[name]:>10.4g} -> {value:.4g}")
+        for stage in FITTED_STAGES:
+            n = sum(r.stage == stage for r in self.residuals)
+            if n:
+                lines.append(f"  fit error {stage:10s} rms {self.rms(stage):6.1%} over {n} steps")
+        lines.append(f"  fit error overall    rms {self.rms():6.1%}, worst {self.max_abs_err:.1%}")
+        return "\n".join(lines)
+
+
+def default_free(records: list[StepRecord]) -> list[str]:
+    """Parameters the logged stages pin down: the tail shape from plain generation, the draft
+    overhead from speculative generation, the learner's MFUs and the fixed weight-sync time."""
+    free = []
+    if any(r.gen_s is not None for r in records):
+        free.append("workload.sigma")
+    if any(r.gen_s is not None and r.speculative and r.accept_length for r in records):
+        free.append("engine.draft_overhead_ms")
+    if any(r.logprob_s is not None for r in records):
+        free.append("learner.logprob_mfu")
+    if any(r.train_s is not None for r in records):
+        free.append("learner.train_mfu")
+    if any(r.prepare_s is not None for r in records):
+        free.append("learner.prepare_fixed_s")
+    return free
+
+
+def _usable(rec: StepRecord, stage: str) -> bool:
+    measured = getattr(rec, stage)
+    if measured is None or measured <= 0:
+        return False
+    return not (stage == "gen_s" and rec.speculative and rec.accept_length is None)
+
+
+def evaluate(cfg: SimConfig, records: list[StepRecord], mode: str | None = None) -> list[Residual]:
+    """Model vs telemetry for every logged stage (steps with identical inputs simulated once)."""
+    cache: dict[tuple, dict[str, float]] = {}
+    out = []
+    for i, rec in enumerate(records):
+        stages = [s for s in FITTED_STAGES if _usable(rec, s)]
+        if not stages:
+            continue
+        key = (rec.num_seqs, rec.mean_response, rec.k if rec.speculative else 0,
+               rec.accept_length if rec.speculative else None)
+        if key not in cache:
+            cache[key] = predict(cfg, rec, mode)
+        out.extend(Residual(i, s, getattr(rec, s), cache[key][s]) for s in stages)
+    return out
+
+
+def calibrate(
+    cfg: SimConfig,
+    records: list[StepRecord],
+    free: list[str] | None = None,
+    mode: str | None = None,
+) -> Fit:
+    """Least-squares fit of ``free`` (dotted recipe fields) to the telemetry's stage times."""
+    from scipy.optimize import least_squares
+
+    free = list(default_free(records) if free is None else free)
+    if "workload.median_tokens" in free and any(r.mean_response is not None for r in records):
+        raise ConfigError(
+            "workload.median_tokens is set by gen/tokens and gen/num_seqs in the telemetry; "
+            "drop it from the free parameters"
+        )
+    start = {name: get_param(cfg, name) for name in free}
+    if not evaluate(cfg, records, mode):
+        raise ConfigError("the telemetry logs no stage time the model predicts (stage/*_s)")
+    # work in units of the starting value (or of the bound's scale when it starts at 0)
+    scale = np.array([abs(v) if v else max(1.0, BOUNDS.get(n, (0, 1.0))[0]) for n, v in start.items()])
+    low = np.array([BOUNDS.get(n, (0.0, math.inf))[0] for n in free]) / scale
+    high = np.array([BOUNDS.get(n, (0.0, math.inf))[1] for n in free]) / scale
+    x0 = np.clip(np.array(list(start.values())) / scale, low + 1e-9, high - 1e-9)
+
+    def residuals(x: np.ndarray) -> np.ndarray:
+        trial = set_params(cfg, dict(zip(free, x * scale)))
+        return np.array([math.log(r.predicted / r.measured) for r in evaluate(trial, records, mode)])
+
+    if free:
+        sol = least_squares(residuals, x0, bounds=(low, high), diff_step=1e-4, xtol=1e-8, ftol=1e-10)
+        fitted = dict(zip(free, (sol.x * scale).tolist()))
+    else:
+        fitted = {}
+    final = set_params(cfg, fitted)
+    return Fit(params=fitted, start=start, config=final, residuals=evaluate(final, records, mode))

@@ -1,0 +1,641 @@
+"""The RL step model: what one step costs with and without speculation, sync and async.
+
+Units: seconds, bytes, FLOPs, tokens, unless a name says otherwise (``_ms``, ``_gb``).
+
+The pieces, bottom up:
+
+* acceptance: per-position acceptance -> expected tokens per verify step (``tau``), and the
+  decay of a frozen draft's acceptance as the policy drifts;
+* decode roofline: one engine step on a replica of ``tp`` GPUs reads the weights (for MoE
+  only the experts the batch routes to) and the KV cache of every running sequence, and
+  does 2 FLOPs per weight per token plus attention; it takes the slower of the two, plus
+  all-reduces and a fixed per-forward overhead. A speculative step verifies k+1 tokens per
+  sequence in one target forward and runs k draft forwards before it;
+* rollout generation: a fluid, event-driven simulation of one replica. Every running
+  sequence advances ``tau`` tokens per step; a sequence leaves when its response is done
+  (log-normal lengths, cut at max_tokens), so the batch shrinks and the late steps are
+  small and memory-bound (the long tail); free slots take the next eligible sequence;
+* the pipeline: colocated sync (prepare, gen, logprob, train one after another on all GPUs),
+  split sync (generation GPUs wait for the new policy) and async with bounded staleness
+  (rollouts of step j may come from policy j - max_lag: the next batch fills the slots the
+  tail leaves free, and generation overlaps training);
+* the run: acceptance drifts down for a frozen draft; adapting restores it at the
+  side-trainer's exposed time and a swap pause.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import asdict, dataclass, replace
+from statistics import NormalDist
+from typing import Callable
+
+import numpy as np
+
+from draftadapt.config import ConfigError
+from draftadapt.sim.config import SimConfig
+from draftadapt.sim.hardware import Arch, eagle3_head, eagle3_params, lookup_gpu, lookup_model
+
+# ---------------------------------------------------------------------------------------------
+# acceptance
+
+
+def accept_length(pos_rates: list[float] | np.ndarray) -> float:
+    """Expected tokens per verify step. pos_rates[i] = P(draft tokens 0..i all accepted),
+    the per-position rate vLLM reports (accepted_tokens_per_pos / drafts)."""
+    return 1.0 + float(np.sum(pos_rates))
+
+
+def geometric_pos(beta: float, k: int) -> np.ndarray:
+    """Per-position rates [k] when each token is accepted with probability beta given the
+    ones before it were."""
+    return beta ** np.arange(1, k + 1)
+
+
+def beta_for_length(alpha: float, k: int) -> float:
+    """The per-token acceptance beta whose geometric profile gives acceptance length alpha
+    (1 + beta + ... + beta^k = alpha)."""
+    if k == 0 or alpha <= 1.0:
+        return 0.0
+    if alpha >= k + 1:
+        return 1.0
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        if accept_length(geometric_pos(mid, k)) < alpha:
+            lo = mid
+        else:
+            hi = mid
+    return 0.5 * (lo + hi)
+
+
+def decayed_length(alpha0: float, k: int, drift: float, steps: float, floor: float = 1.0) -> float:
+    """Acceptance length of a draft ``steps`` RL steps after it matched the policy.
+
+    The per-token acceptance beta loses ``drift`` of its distance to the floor's beta per step
+    (beta_t = beta_f + (beta_0 - beta_f) (1 - drift)^t): a stale draft keeps the tokens any
+    policy agrees on and loses the rest.
+    """
+    if drift == 0.0 or steps <= 0:
+        return alpha0
+    b0, bf = beta_for_length(alpha0, k), beta_for_length(floor, k)
+    beta = bf + (b0 - bf) * (1.0 - drift) ** steps
+    return accept_length(geometric_pos(beta, k))
+
+
+# ---------------------------------------------------------------------------------------------
+# decode roofline
+
+
+@dataclass(frozen=True)
+class EngineModel:
+    """Per-GPU constants of one generation replica (tp GPUs), derived from a recipe."""
+
+    tp: int
+    dense_bytes: float  # weights every step reads, per GPU
+    expert_bytes: float  # all routed-expert weights, per GPU (0 for dense models)
+    top_frac: float  # experts_per_token / experts: share of experts one token touches
+    kv_bytes_per_token: float  # KV cache bytes per context token, per GPU
+    flops_per_token: float  # 2 x active matmul weights, per GPU
+    attn_flops_per_ctx: float  # attention FLOPs per query token per context token, per GPU
+    allreduce_s: float  # latency of the all-reduces of one forward
+    allreduce_bytes_per_token: float  # all-reduce traffic per token of one forward, per GPU
+    bw: float  # reachable HBM bandwidth, bytes/s
+    flops: float  # reachable dense FLOP/s
+    link: float  # NVLink bytes/s, one direction
+    overhead_s: float  # fixed cost of one target forward
+    # draft: one forward, same form (Eagle-3 head or small LM; zeros for n-gram)
+    draft_bytes: float
+    draft_kv_bytes_per_token: float
+    draft_flops_per_token: float
+    draft_attn_flops_per_ctx: float
+    draft_allreduce_s: float
+    draft_overhead_s: float
+    draft_forwards_per_step: bool  # True: k draft forwards per step; False: one CPU proposal
+    verify_overhead_s: float
+    kv_capacity_tokens: float  # KV cache room of the replica, tokens
+    weight_bytes_total: float  # target weights in the engine's dtype, whole model
+
+
+def engine_model(cfg: SimConfig) -> EngineModel:
+    arch = lookup_model(cfg.target.model)
+    gpu = lookup_gpu(cfg.engine.gpu)
+    e, t = cfg.engine, cfg.target
+    tp = e.tp
+    peak = (gpu.fp8_tflops if t.weight_bytes <= 1.0 else gpu.bf16_tflops) * 1e12
+    kv_shards = min(tp, arch.kv_heads)  # beyond kv_heads, TP replicates KV heads
+    allreduces = 2 * arch.layers if tp > 1 else 0  # after attention and after the MLP
+    ring = 2.0 * (tp - 1) / tp if tp > 1 else 0.0  # ring all-reduce traffic factor
+
+    if cfg.spec.method == "ngram":
+        d_bytes = d_kv = d_flops = d_attn = d_ar = 0.0
+        d_params = 0.0
+    else:
+        if cfg.spec.draft_params_b is not None:
+            d_params = cfg.spec.draft_params_b * 1e9
+        elif cfg.spec.method == "eagle3":
+            d_params = eagle3_params(arch, cfg.spec.draft_vocab)
+        else:
+            raise ConfigError("spec.method=draft_model needs spec.draft_params_b (the draft LM's size)")
+        if cfg.spec.method == "eagle3":
+            head: Arch = eagle3_head(arch, cfg.spec.draft_vocab)
+            d_kv = head.kv_elems_per_token * t.kv_bytes / kv_shards
+            d_attn = head.attn_flops_per_ctx / tp
+            d_ar = 2 * e.allreduce_us * 1e-6 if tp > 1 else 0.0
+        else:  # small draft LM: KV and attention scaled from the target by size (assumption)
+            scale = d_params / arch.total_params
+            d_kv = scale * arch.kv_elems_per_token * t.kv_bytes / kv_shards
+            d_attn = scale * arch.attn_flops_per_ctx / tp
+            d_ar = scale * allreduces * e.allreduce_us * 1e-6
+        d_bytes = d_params * t.weight_bytes / tp
+        d_flops = 2.0 * d_params / tp
+
+    budget = gpu.hbm_gb * 1e9 * tp * e.mem_util
+    weights = arch.total_params * t.weight_bytes + d_params * t.weight_bytes
+    kv_per_token = arch.kv_elems_per_token * t.kv_bytes * tp / kv_shards  # whole replica
+    if weights >= budget:
+        raise ConfigError(
+            f"{arch.name} weights ({weights / 1e9:.0f} GB) do not fit in engine.tp={tp} x "
+            f"{gpu.hbm_gb:.0f} GB x mem_util {e.mem_util}; raise engine.tp or lower target.weight_bytes"
+        )
+    return EngineModel(
+        tp=tp,
+        dense_bytes=arch.dense_params * t.weight_bytes / tp,
+        expert_bytes=arch.expert_params * t.weight_bytes / tp,
+        top_frac=(arch.experts_per_token / arch.experts) if arch.experts else 0.0,
+        kv_bytes_per_token=arch.kv_elems_per_token * t.kv_bytes / kv_shards,
+        flops_per_token=2.0 * arch.active_params / tp,
+        attn_flops_per_ctx=arch.attn_flops_per_ctx / tp,
+        allreduce_s=allreduces * e.allreduce_us * 1e-6,
+        allreduce_bytes_per_token=allreduces * arch.hidden * 2.0 * ring,
+        bw=gpu.hbm_tbps * 1e12 * e.bw_eff,
+        flops=peak * e.flops_eff,
+        link=gpu.link_gbps * 1e9,
+        overhead_s=e.step_overhead_ms * 1e-3,
+        draft_bytes=d_bytes,
+        draft_kv_bytes_per_token=d_kv,
+        draft_flops_per_token=d_flops,
+        draft_attn_flops_per_ctx=d_attn,
+        draft_allreduce_s=d_ar,
+        draft_overhead_s=e.draft_overhead_ms * 1e-3,
+        draft_forwards_per_step=cfg.spec.method != "ngram",
+        verify_overhead_s=e.verify_overhead_ms * 1e-3,
+        kv_capacity_tokens=(budget - weights) / kv_per_token,
+        weight_bytes_total=arch.total_params * t.weight_bytes,
+    )
+
+
+def target_step_s(m: EngineModel, b: float, ctx: float, q: int = 1) -> float:
+    """One target forward over b sequences with ``ctx`` context tokens in total (summed over
+    the sequences), q new tokens each (q = 1 decode, q = k+1 verify)."""
+    tokens = b * q
+    experts = m.expert_bytes * (1.0 - (1.0 - m.top_frac) ** tokens) if m.expert_bytes else 0.0
+    mem = (m.dense_bytes + experts + m.kv_bytes_per_token * ctx) / m.bw
+    compute = (m.flops_per_token * tokens + m.attn_flops_per_ctx * ctx * q) / m.flops
+    comm = m.allreduce_s + m.allreduce_bytes_per_token * tokens / m.link if m.allreduce_s else 0.0
+    return max(mem, compute) + comm + m.overhead_s
+
+
+def draft_step_s(m: EngineModel, b: float, ctx: float) -> float:
+    """One draft forward (one new token for each of b sequences)."""
+    mem = (m.draft_bytes + m.draft_kv_bytes_per_token * ctx) / m.bw
+    compute = (m.draft_flops_per_token * b + m.draft_attn_flops_per_ctx * ctx) / m.flops
+    return max(mem, compute) + m.draft_allreduce_s + m.draft_overhead_s
+
+
+def spec_step_s(m: EngineModel, b: float, ctx: float, k: int) -> float:
+    """One speculative step: k draft forwards (or one n-gram proposal), then one target
+    forward verifying k+1 tokens per sequence."""
+    if k == 0:
+        return target_step_s(m, b, ctx, 1)
+    draft = k * draft_step_s(m, b, ctx) if m.draft_forwards_per_step else m.draft_overhead_s
+    return draft + target_step_s(m, b, ctx, k + 1) + m.verify_overhead_s
+
+
+def prefill_s(m: EngineModel, prompt: float) -> float:
+    """Prefill of one prompt (compute-bound), target and draft."""
+    flops = (m.flops_per_token + m.draft_flops_per_token) * prompt
+    flops += (m.attn_flops_per_ctx + m.draft_attn_flops_per_ctx) * prompt * prompt / 2.0
+    return flops / m.flops
+
+
+# ---------------------------------------------------------------------------------------------
+# workload
+
+
+def response_lengths(cfg: SimConfig, n: int) -> np.ndarray:
+    """n response lengths [n] in tokens: evenly spaced quantiles of the capped log-normal,
+    so a run is deterministic and the tail is always represented."""
+    w = cfg.workload
+    z = np.array([NormalDist().inv_cdf((i + 0.5) / n) for i in range(n)])
+    lengths = w.median_tokens * np.exp(w.sigma * z)
+    return np.clip(lengths, 1.0, w.max_tokens)  # not rounded: keeps fits smooth
+
+
+def mean_response(cfg: SimConfig) -> float:
+    """E[min(X, max_tokens)] of the log-normal, in tokens (what the learner trains on)."""
+    w = cfg.workload
+    if w.sigma == 0:
+        return min(w.median_tokens, w.max_tokens)
+    mu, s, c = math.log(w.median_tokens), w.sigma, float(w.max_tokens)
+    phi = NormalDist().cdf
+    below = math.exp(mu + s * s / 2) * phi((math.log(c) - mu - s * s) / s)
+    return below + c * (1.0 - phi((math.log(c) - mu) / s))
+
+
+def median_for_mean(cfg: SimConfig, mean: float) -> float:
+    """The log-normal median whose capped mean is ``mean`` tokens, at the recipe's sigma and
+    cap (telemetry reports mean lengths; the model is parametrised by the median)."""
+    cap = cfg.workload.max_tokens
+    if not 0 < mean < cap:
+        raise ConfigError(f"mean response length {mean:.0f} must lie in (0, workload.max_tokens={cap})")
+    lo, hi = 1e-3, float(cap)
+    while mean_response(_with_median(cfg, hi)) < mean:
+        hi *= 2.0
+    for _ in range(80):
+        mid = math.sqrt(lo * hi)
+        if mean_response(_with_median(cfg, mid)) < mean:
+            lo = mid
+        else:
+            hi = mid
+    return math.sqrt(lo * hi)
+
+
+def _with_median(cfg: SimConfig, median: float) -> SimConfig:
+    return replace(cfg, workload=replace(cfg.workload, median_tokens=median))
+
+
+# ---------------------------------------------------------------------------------------------
+# the step
+
+
+@dataclass
+class StepTimes:
+    """Stage times of one RL step, seconds. gen_s is the generation pool's busy time per step
+    (rollout throughput); exposed_gen_s is how long training waits for it."""
+
+    accept_length: float
+    prepare_s: float
+    gen_s: float
+    exposed_gen_s: float
+    logprob_s: float
+    train_s: float
+    adapt_s: float
+    data_s: float
+    step_s: float
+
+    @property
+    def gen_share(self) -> float:
+        return self.exposed_gen_s / self.step_s
+
+
+@dataclass(frozen=True)
+class LearnerTimes:
+    data_s: float
+    prepare_s: float
+    logprob_s: float
+    train_s: float
+
+
+def learner_times(cfg: SimConfig) -> LearnerTimes:
+    """Compute-bound learner stages for one step's tokens on the training GPUs."""
+    arch = lookup_model(cfg.target.model)
+    gpu = lookup_gpu(cfg.engine.gpu)
+    lc, w = cfg.learner, cfg.workload
+    gpus = cfg.cluster.gpus if cfg.cluster.colocated else cfg.cluster.train_gpus
+    peak = (gpu.fp8_tflops if lc.peak == "fp8" else gpu.bf16_tflops) * 1e12 * gpus
+    seq = w.prompt_tokens + response_lengths(cfg, 512)  # [512] sequence lengths, tokens
+    tokens = w.rollouts * (w.prompt_tokens + mean_response(cfg))
+    attn = arch.attn_flops_per_ctx * w.rollouts * float(np.mean(seq**2)) / 2.0  # causal
+    forward = 2.0 * arch.active_params * tokens + attn
+    prepare = lc.prepare_fixed_s + arch.total_params * cfg.target.weight_bytes / (lc.sync_gbps * 1e9)
+    return LearnerTimes(
+        data_s=lc.data_s,
+        prepare_s=prepare,
+        logprob_s=lc.logprob_passes * forward / (peak * lc.logprob_mfu),
+        train_s=3.0 * forward / (peak * lc.train_mfu),
+    )
+
+
+@dataclass(frozen=True)
+class PipelineTimes:
+    step_s: float  # steady-state time between policy versions
+    exposed_gen_s: float  # training waits this long for rollouts per step
+    gen_busy_s: float  # generation replica busy per step (decode + prefill)
+
+
+def _replica_batch(cfg: SimConfig) -> int:
+    gen_gpus = cfg.cluster.gpus if cfg.cluster.colocated else cfg.cluster.gen_gpus
+    replicas = gen_gpus // cfg.engine.tp
+    return max(1, round(cfg.workload.rollouts / replicas))
+
+
+def _concurrency(cfg: SimConfig, m: EngineModel) -> int:
+    """Sequences a replica runs at once: max_num_seqs, or fewer if the KV cache cannot hold
+    that many sequences of mean length (vLLM admits on free KV blocks)."""
+    per_seq = cfg.workload.prompt_tokens + mean_response(cfg)
+    fit = int(m.kv_capacity_tokens // per_seq)
+    if fit < 1:
+        raise ConfigError(
+            f"the KV cache ({m.kv_capacity_tokens:.0f} tokens per replica) cannot hold one sequence "
+            f"of {per_seq:.0f} tokens; raise engine.tp or engine.mem_util"
+        )
+    return min(cfg.engine.max_num_seqs, fit)
+
+
+def simulate_generation(
+    step_fn: Callable[[float, float], float],
+    tau: float,
+    batches: list[np.ndarray],
+    prompt: float,
+    cap: int,
+    prefill_per_seq_s: float,
+    train_side_s: float,
+    prepare_s: float,
+    lag: int,
+    stream: bool = False,
+) -> tuple[list[float], list[float], list[tuple[float, float]]]:
+    """Event-driven rollout generation on one replica, coupled to the trainer.
+
+    batches[j]: response lengths [n] of step j, in admission order. step_fn(b, ctx) is the
+    seconds of one engine step for b running sequences holding ctx context tokens in total;
+    each step advances every running sequence by tau tokens. A new policy version lands
+    when a train step ends and pauses generation for prepare_s (the weight load).
+
+    stream=False (sync): step j trains on the sequences of batches[j] (its prompts) and
+    batch j may start once policy version max(0, j - lag) has landed; lag = 0 is the
+    synchronous pipeline on split GPUs.
+    stream=True (async): the replica generates the sequences in order and step j trains on
+    the j-th n sequences to *finish*, so a long response never holds back a batch; at most
+    (lag + 1) batches of sequences are started and not yet trained on (bounded staleness).
+
+    Returns (train_start [steps], train_end [steps], done [steps]), done[j] being the
+    replica's (busy seconds, tokens generated) when the sequences of step j were complete.
+    """
+    steps = len(batches)
+    n = len(batches[0])
+    order = [(j, float(length)) for j, batch in enumerate(batches) for length in batch]
+    remaining = [len(batch) for batch in batches]
+    done_at: list[float | None] = [None] * steps
+    done: list[tuple[float, float]] = [(0.0, 0.0)] * steps
+    train_start: list[float] = []
+    train_end: list[float] = []
+    pauses: list[float] = []  # times at which a new policy version lands (generation pauses)
+    finished = 0
+
+    def eligible_at(i: int) -> float:
+        """When sequence i of ``order`` may start."""
+        if stream:
+            c = (i - (lag + 1) * n) // n  # the train step that must have taken its batch
+            if c < 0:
+                return 0.0
+            return train_start[c] if len(train_start) > c else math.inf
+        v = order[i][0] - lag  # the policy version batch j must be sampled from
+        if v <= 0:
+            return 0.0
+        return train_end[v - 1] + prepare_s if len(train_end) >= v else math.inf
+
+    heap: list[tuple[float, float, int]] = []  # (finish progress, start progress, batch)
+    t = progress = busy = tokens = 0.0  # progress: steps taken by every running sequence so far
+    ctx_offset = 0.0  # sum over running sequences of (prompt - tau * start progress)
+    nxt = 0
+    while True:
+        while pauses and pauses[0] <= t:
+            pauses.pop(0)
+            t += prepare_s
+        while len(heap) < cap and nxt < len(order) and eligible_at(nxt) <= t:
+            heapq.heappush(heap, (progress + order[nxt][1] / tau, progress, order[nxt][0]))
+            ctx_offset += prompt - tau * progress
+            t += prefill_per_seq_s
+            busy += prefill_per_seq_s
+            nxt += 1
+        wake = pauses[0] if pauses else math.inf
+        if len(heap) < cap and nxt < len(order):
+            wake = min(wake, eligible_at(nxt))
+        if not heap:
+            if nxt >= len(order):
+                break
+            if math.isinf(wake):  # cannot happen: an idle replica has finished every batch
+                raise RuntimeError("rollout simulation stalled")
+            t = max(t, wake)
+            continue
+        b = len(heap)
+        nxt_progress = heap[0][0]
+        ctx_mid = ctx_offset + b * tau * (progress + nxt_progress) / 2.0
+        dt = (nxt_progress - progress) * step_fn(b, ctx_mid)
+        if t < wake < t + dt:  # stop early: a version lands or a waiting sequence may start
+            advance = (nxt_progress - progress) * (wake - t) / dt
+            progress += advance
+            tokens += b * tau * advance
+            busy += wake - t
+            t = wake
+            continue
+        t += dt
+        busy += dt
+        tokens += b * tau * (nxt_progress - progress)
+        progress = nxt_progress
+        while heap and heap[0][0] <= progress + 1e-9:
+            _, start, j = heapq.heappop(heap)
+            ctx_offset -= prompt - tau * start
+            finished += 1
+            if stream:
+                j, complete = finished // n - 1, finished % n == 0
+            else:
+                remaining[j] -= 1
+                complete = remaining[j] == 0
+            if complete:
+                done_at[j] = t
+                done[j] = (busy, tokens)
+        while len(train_end) < steps and done_at[len(train_end)] is not None:
+            j = len(train_end)
+            start = max(done_at[j], train_end[-1] if train_end else 0.0)
+            train_start.append(start)
+            train_end.append(start + train_side_s)
+            if j + 1 < steps:
+                pauses.append(train_end[-1])
+    return train_start, train_end, done
+
+
+def _pipeline(cfg: SimConfig, mode: str, tau: float, spec: bool, train_side_s: float,
+              prepare_s: float) -> PipelineTimes:
+    m = engine_model(cfg)
+    k = cfg.spec.k if spec else 0
+
+    def step_fn(b: float, ctx: float) -> float:
+        return spec_step_s(m, b, ctx, k)
+
+    n = _replica_batch(cfg)
+    cap = _concurrency(cfg, m)
+    lengths = response_lengths(cfg, n)
+    rng = np.random.default_rng(0)
+    prompt = cfg.workload.prompt_tokens
+    pre = prefill_s(m, prompt)
+    if cfg.cluster.colocated:
+        _, _, done = simulate_generation(step_fn, tau, [rng.permutation(lengths)], prompt, cap,
+                                         pre, 0.0, 0.0, lag=1)
+        busy = done[0][0]
+        return PipelineTimes(step_s=math.nan, exposed_gen_s=busy, gen_busy_s=busy)
+    lag = 0 if mode == "sync" else cfg.pipeline.max_lag
+    # Batches run in groups of lag + 1 (each group waits for the same policy version), so
+    # the steady state is measured over whole groups, after one group of warm-up and before
+    # one group of wind-down (the last batches have no successors to fill their tail).
+    group = lag + 1
+    window = group * max(2, math.ceil(cfg.pipeline.steps / group))
+    steps = window + 2 * group
+    batches = [rng.permutation(lengths) for _ in range(steps)]
+    start, end, done = simulate_generation(step_fn, tau, batches, prompt, cap, pre,
+                                           train_side_s, prepare_s, lag, stream=lag > 0)
+    first, last = group - 1, group - 1 + window
+    step = (end[last] - end[first]) / window
+    exposed = float(np.mean([start[j] - end[j - 1] for j in range(first + 1, last + 1)]))
+    if lag > 0:
+        # Rollout throughput is what the generation pool delivers flat out (bounded in-flight
+        # sequences, never waiting for the trainer); waiting shows in exposed_gen_s and step_s.
+        _, _, done = simulate_generation(step_fn, tau, batches, prompt, cap, pre, 0.0, 0.0,
+                                         lag, stream=True)
+    # seconds per batch at the steady state's throughput: busy seconds per token generated
+    # between two batch completions, times one batch's tokens
+    busy = done[last][0] - done[first][0]
+    tokens = done[last][1] - done[first][1]
+    return PipelineTimes(step_s=step, exposed_gen_s=exposed,
+                         gen_busy_s=busy / tokens * float(np.sum(lengths)))
+
+
+def simulate_step(cfg: SimConfig, mode: str, alpha: float | None, adapt_s: float = 0.0) -> StepTimes:
+    """One steady-state RL step. alpha None = no speculation; else the acceptance length
+    (1 <= alpha <= k+1) of the draft in use. adapt_s: adaptation time on the critical path."""
+    lt = learner_times(cfg)
+    spec = alpha is not None and cfg.spec.k > 0
+    tau = alpha if spec else 1.0
+    train_side = lt.data_s + lt.logprob_s + lt.train_s + adapt_s
+    p = _pipeline(cfg, mode, tau, spec, train_side, lt.prepare_s)
+    if cfg.cluster.colocated:
+        if mode != "sync":
+            raise ConfigError("a colocated cluster runs the sync pipeline only")
+        step = lt.prepare_s + p.gen_busy_s + train_side
+    else:
+        step = p.step_s
+    return StepTimes(
+        accept_length=tau, prepare_s=lt.prepare_s, gen_s=p.gen_busy_s,
+        exposed_gen_s=p.exposed_gen_s, logprob_s=lt.logprob_s, train_s=lt.train_s,
+        adapt_s=adapt_s, data_s=lt.data_s, step_s=step,
+    )
+
+
+def step_ceiling(gen_share: float, alpha: float) -> float:
+    """The paper's bound on the end-to-end speedup of a sync step whose generation share is
+    gen_share when generation gets at most alpha times faster:
+    S_step <= 1 / (R_gen / alpha + (1 - R_gen))."""
+    return 1.0 / (gen_share / alpha + (1.0 - gen_share))
+
+
+# ---------------------------------------------------------------------------------------------
+# a run: drift, adaptation, the configurations compared
+
+
+CONFIGS = ("plain", "spec", "adapt")
+STAGES = ("accept_length", "prepare_s", "gen_s", "exposed_gen_s", "logprob_s", "train_s",
+          "adapt_s", "data_s", "step_s")
+RATIOS = ("gen_share", "gen_speedup", "e2e_speedup", "ceiling")
+FIGURES = tuple(
+    f"{mode}.{name}.{config}"
+    for mode in ("sync", "async") for config in CONFIGS for name in STAGES + RATIOS
+)
+
+
+@dataclass
+class SimResult:
+    name: str
+    rows: dict[str, dict[str, StepTimes]]  # mode -> config -> averaged stage times
+    figures: dict[str, float]  # FIGURES names -> value
+    sweep: dict[str, list[dict[str, float]]]  # mode -> [{accept_length, gen_speedup, e2e_speedup, ceiling}]
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "rows": {mode: {c: asdict(s) for c, s in rows.items()} for mode, rows in self.rows.items()},
+            "figures": self.figures,
+            "sweep": self.sweep,
+        }
+
+
+def _average(times: list[StepTimes]) -> StepTimes:
+    return StepTimes(**{f: float(np.mean([getattr(s, f) for s in times])) for f in STAGES})
+
+
+def _trajectory(cfg: SimConfig, mode: str, alphas: list[float], adapt_s: float) -> StepTimes:
+    """Mean stage times over a run whose acceptance follows ``alphas`` (one per step).
+    Steps with the same acceptance are simulated once; a drifting run is interpolated
+    between at most 8 simulated acceptance levels."""
+    levels = sorted(set(round(a, 6) for a in alphas))
+    if len(levels) > 8:
+        levels = list(np.linspace(levels[0], levels[-1], 8))
+    sims = [simulate_step(cfg, mode, a, adapt_s) for a in levels]
+    if len(sims) == 1:
+        return sims[0]
+    xs = np.array(levels)
+    per_step = []
+    for a in alphas:
+        values = {f: float(np.interp(a, xs, [getattr(s, f) for s in sims])) for f in STAGES}
+        values["accept_length"] = a
+        per_step.append(StepTimes(**values))
+    return _average(per_step)
+
+
+def frozen_alphas(cfg: SimConfig) -> list[float]:
+    s = cfg.spec
+    return [decayed_length(s.accept_length, s.k, s.drift_per_step, t, s.accept_floor)
+            for t in range(cfg.adapt.horizon_steps)]
+
+
+def adapted_alphas(cfg: SimConfig) -> list[float]:
+    s, a = cfg.spec, cfg.adapt
+    fresh = a.accept_length if a.accept_length is not None else s.accept_length
+    return [decayed_length(fresh, s.k, s.drift_per_step, t % a.every_steps, min(s.accept_floor, fresh))
+            for t in range(a.horizon_steps)]
+
+
+def adapt_overhead_s(cfg: SimConfig) -> float:
+    """Adaptation time on the critical path per RL step: the exposed share of the side
+    trainer plus the swap pause, spread over adapt.every_steps."""
+    a = cfg.adapt
+    return (a.train_s * a.exposed_frac + a.swap_ms * 1e-3) / a.every_steps
+
+
+def simulate(cfg: SimConfig, sweep: bool = True) -> SimResult:
+    rows: dict[str, dict[str, StepTimes]] = {}
+    figures: dict[str, float] = {}
+    curves: dict[str, list[dict[str, float]]] = {}
+    for mode in cfg.pipeline.modes:
+        plain = simulate_step(cfg, mode, None)
+        row = {"plain": plain, "spec": _trajectory(cfg, mode, frozen_alphas(cfg), 0.0)}
+        if cfg.adapt.enabled:
+            row["adapt"] = _trajectory(cfg, mode, adapted_alphas(cfg), adapt_overhead_s(cfg))
+        rows[mode] = row
+        for config, st in row.items():
+            for f in STAGES:
+                figures[f"{mode}.{f}.{config}"] = getattr(st, f)
+            figures[f"{mode}.gen_share.{config}"] = st.gen_share
+            figures[f"{mode}.gen_speedup.{config}"] = plain.gen_s / st.gen_s
+            figures[f"{mode}.e2e_speedup.{config}"] = plain.step_s / st.step_s
+            figures[f"{mode}.ceiling.{config}"] = step_ceiling(plain.gen_share, st.accept_length)
+        if sweep and cfg.spec.k > 0:
+            curves[mode] = []
+            for alpha in np.linspace(1.0, cfg.spec.k + 1.0, cfg.sweep_points):
+                st = simulate_step(cfg, mode, float(alpha))
+                curves[mode].append({
+                    "accept_length": float(alpha),
+                    "gen_speedup": plain.gen_s / st.gen_s,
+                    "e2e_speedup": plain.step_s / st.step_s,
+                    "ceiling": step_ceiling(plain.gen_share, float(alpha)),
+                })
+    return SimResult(name=cfg.name, rows=rows, figures=figures, sweep=curves)
+
+
+def with_overrides(cfg: SimConfig, **sections: dict) -> SimConfig:
+    """A copy of cfg with some fields of some sections replaced (for sweeps and fits)."""
+    out = cfg
+    for section, fields in sections.items():
+        out = replace(out, **{section: replace(getattr(out, section), **fields)})
+    return out

@@ -1,0 +1,66 @@
+"""The simulator's PNG: step-time breakdown per configuration, speedup against acceptance."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from draftadapt.sim.model import SimResult
+from draftadapt.sim.report import LABELS, Comparison
+
+# stacked in step order; exposed generation is what the step waits for
+SEGMENTS = (("data_s", "data"), ("prepare_s", "prepare"), ("exposed_gen_s", "gen (exposed)"),
+            ("logprob_s", "logprob"), ("train_s", "train"), ("adapt_s", "adapt"))
+
+
+def plot(result: SimResult, path: str | Path, comparisons: list[Comparison] | None = None) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (bars, curve) = plt.subplots(1, 2, figsize=(13, 5))
+    names, rows = [], []
+    for mode, by_config in result.rows.items():
+        for config, st in by_config.items():
+            names.append(f"{mode}\n{LABELS[config]}")
+            rows.append(st)
+    bottom = [0.0] * len(rows)
+    for field, label in SEGMENTS:
+        values = [getattr(st, field) for st in rows]
+        if not any(values):
+            continue
+        bars.bar(range(len(rows)), values, bottom=bottom, label=label)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    # async overlaps generation with training, so its segments can sum above the step time
+    bars.scatter(range(len(rows)), [st.step_s for st in rows], color="black", marker="_", s=400,
+                 zorder=3, label="step time")
+    bars.set_xticks(range(len(rows)), names, fontsize=7)
+    bars.set_ylabel("seconds per RL step")
+    bars.set_title("step-time breakdown")
+    bars.legend(fontsize=7)
+
+    for mode, points in result.sweep.items():
+        xs = [p["accept_length"] for p in points]
+        curve.plot(xs, [p["gen_speedup"] for p in points], marker="o", label=f"{mode}: generation")
+        curve.plot(xs, [p["e2e_speedup"] for p in points], marker="s", label=f"{mode}: end to end")
+        if mode == "sync":
+            curve.plot(xs, [p["ceiling"] for p in points], linestyle="--", color="gray",
+                       label="ceiling 1/(R_gen/alpha + 1 - R_gen)")
+    curve.axhline(1.0, color="black", linewidth=0.5)
+    for c in comparisons or []:
+        if "speedup" in c.figure and not c.overrides:
+            mode, _, config = c.figure.split(".")
+            alpha = result.rows[mode][config].accept_length
+            curve.scatter([alpha], [c.published], marker="*", s=120, color="red", zorder=4)
+    curve.scatter([], [], marker="*", s=120, color="red", label="published")
+    curve.set_xlabel("acceptance length (tokens per verify step)")
+    curve.set_ylabel("speedup over no speculation")
+    curve.set_title("speedup against acceptance length")
+    curve.legend(fontsize=7)
+    fig.suptitle(result.name)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
