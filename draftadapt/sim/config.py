@@ -199,6 +199,10 @@ class LearnerConfig:
 class PipelineConfig:
     modes: list[Mode] = field(default_factory=lambda: ["sync"])  # pipelines to simulate
     max_lag: int = 1  # async: rollouts of step j come from policy version >= j - max_lag
+    # async batching: "finished" = a step trains on the next rollouts to finish (the tail of
+    # one batch overlaps the next; PipelineRL/AReaL style); "prompts" = a step trains on its
+    # own prompts' rollouts, generated up to max_lag versions ahead (one-step-off style)
+    async_batching: Literal["finished", "prompts"] = "finished"
     steps: int = 8  # RL steps simulated to reach the steady state (split cluster)
 
     def validate(self) -> None:

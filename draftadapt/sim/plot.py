@@ -24,14 +24,16 @@ def plot(result: SimResult, path: str | Path, comparisons: list[Comparison] | No
         for config, st in by_config.items():
             names.append(f"{mode}\n{LABELS[config]}")
             rows.append(st)
+    modes = [mode for mode, by_config in result.rows.items() for _ in by_config]
     bottom = [0.0] * len(rows)
     for field, label in SEGMENTS:
-        values = [getattr(st, field) for st in rows]
+        # async loads weights on the generation GPUs, off the trainer's critical path
+        values = [0.0 if (field == "prepare_s" and mode == "async") else getattr(st, field)
+                  for st, mode in zip(rows, modes)]
         if not any(values):
             continue
         bars.bar(range(len(rows)), values, bottom=bottom, label=label)
         bottom = [b + v for b, v in zip(bottom, values)]
-    # async overlaps generation with training, so its segments can sum above the step time
     bars.scatter(range(len(rows)), [st.step_s for st in rows], color="black", marker="_", s=400,
                  zorder=3, label="step time")
     bars.set_xticks(range(len(rows)), names, fontsize=7)

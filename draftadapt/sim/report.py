@@ -73,11 +73,16 @@ def format_table(cfg: SimConfig, result: SimResult) -> str:
                 f"  {LABELS[config]:28s} {st.accept_length:6.2f} {st.prepare_s:8.2f} {st.gen_s:8.1f} "
                 f"{st.exposed_gen_s:8.1f} {st.logprob_s:8.1f} {st.train_s:7.1f} {st.adapt_s:6.2f} "
                 f"{st.step_s:8.1f} {f[f'{mode}.gen_speedup.{config}']:6.2f} "
-                f"{f[f'{mode}.e2e_speedup.{config}']:6.2f} {f[f'{mode}.ceiling.{config}']:7.2f}"
+                f"{f[f'{mode}.e2e_speedup.{config}']:6.2f} "
+                + (f"{f[f'{mode}.ceiling.{config}']:7.2f}" if mode == "sync" else f"{'-':>7s}")
             )
-        plain = rows["plain"]
-        lines.append(f"  generation share of the step without speculation: {plain.gen_share:.1%}; "
-                     f"ceiling = 1 / (R_gen / alpha + 1 - R_gen)")
+        share = rows["plain"].gen_share
+        if mode == "sync":
+            lines.append(f"  generation is {share:.1%} of the step without speculation; "
+                         "ceiling = 1 / (R_gen / alpha + 1 - R_gen), the paper's bound")
+        else:
+            lines.append(f"  training waits for rollouts {share:.1%} of the step without speculation; "
+                         "gen = rollout time at the generation GPUs' full throughput")
     return "\n".join(lines)
 
 
@@ -85,17 +90,17 @@ def format_comparisons(comparisons: list[Comparison]) -> str:
     if not comparisons:
         return ""
     lines = ["projected vs published",
-             f"  {'figure':30s} {'variant':34s} {'projected':>9s} {'published':>9s} {'error':>7s}  status"]
+             f"  {'figure':30s} {'projected':>9s} {'published':>9s} {'error':>7s}  status"]
     for c in comparisons:
-        variant = " ".join(c.overrides) or "(recipe)"
         if not c.gated:
             status = "not gated"
         else:
             status = "ok" if c.ok else f"OFF (> {c.tolerance:.0%})"
         if c.calibrated:
-            status += ", fitted"
-        lines.append(f"  {c.figure:30s} {variant:34s} {c.projected:9.3g} {c.published:9.3g} "
-                     f"{c.rel_err:+7.1%}  {status}")
+            status += ", fitted to it"
+        lines.append(f"  {c.figure:30s} {c.projected:9.4g} {c.published:9.4g} {c.rel_err:+7.1%}  {status}")
+        if c.overrides:
+            lines.append(f"      variant: {' '.join(c.overrides)}")
         if c.source:
             lines.append(f"      source: {c.source}")
         if c.note:
