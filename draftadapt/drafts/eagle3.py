@@ -58,18 +58,21 @@ class Eagle3Config:
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
-    """Low, middle and high layers, all distinct.
+    """Low, middle and high layers, all distinct, all below the last layer.
 
-    vLLM's default (2, L//2, L-3) repeats a layer for small L (L=6 gives 3 twice; DESIGN.md),
-    so for small targets we spread three distinct ids over 1..L-1 instead.
+    vLLM's default (2, L//2, L-3) repeats a layer for small L (L=6 gives 3 twice; DESIGN.md), so
+    for small targets we spread three distinct ids over 1..L-1 instead (0, the embeddings, only
+    for L=3). Id L is avoided: vLLM captures it before the final norm, HF's hidden_states[L] after.
     """
     if num_layers < 3:
         raise ValueError(f"an Eagle-3 head needs a target with >= 3 layers, got {num_layers}")
     ids = [2, num_layers // 2, num_layers - 3]
     if len(set(ids)) == 3 and min(ids) >= 1:
         return ids
+    if num_layers == 3:
+        return [0, 1, 2]
     lo, hi = 1, num_layers - 1
-    return sorted({lo, (lo + hi) // 2, hi}) if len({lo, (lo + hi) // 2, hi}) == 3 else [1, 2, 3]
+    return [lo, (lo + hi) // 2, hi]
 
 
 class RMSNorm(nn.Module):

@@ -397,6 +397,10 @@ def check_max_positions(draft_max: int, target_max: int | None, where: str) -> N
         )
 
 
+# What identifies the target a draft was built for (recorded at export, checked at engine start).
+IDENTITY_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size", "tokenizer_sha256")
+
+
 def check_draft_for_target(draft_dir: str | Path, target_dir: str | Path) -> dict[str, Any]:
     """Everything about a draft dir that must hold before an engine is started with it.
 
@@ -408,11 +412,13 @@ def check_draft_for_target(draft_dir: str | Path, target_dir: str | Path) -> dic
     meta_path = draft_dir / META_FILE
     meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {"format": fmt}
     tfp = target_fingerprint(target_dir)
-    recorded = meta.get("target")
-    if recorded and recorded.get("tokenizer_sha256") not in (None, tfp["tokenizer_sha256"]):
+    recorded = meta.get("target") or {}
+    differ = [k for k in IDENTITY_FIELDS if recorded.get(k) is not None and recorded.get(k) != tfp.get(k)]
+    if differ:
+        detail = ", ".join(f"{k}: draft {recorded[k]!r} vs target {tfp[k]!r}" for k in differ)
         raise DraftFormatError(
-            f"{draft_dir} was exported for another target (tokenizer differs from {target_dir}); "
-            "initialise or re-export a draft for this target"
+            f"{draft_dir} was exported for another target ({detail}); initialise a draft for "
+            f"{target_dir} with `draftadapt draft init --target {target_dir}` or re-export it"
         )
     weights = draft_dir / WEIGHTS_FILE
     if meta.get("sha256") and weights.is_file() and file_sha256(weights) != meta["sha256"]:

@@ -1,0 +1,60 @@
+"""Shared fixtures: the toy target is built once per test session (and cached across sessions).
+
+The cache key hashes the toy package's source, so a change to the toy world rebuilds it.
+Engines are started per test module (one at a time: each holds its own KV cache).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+CACHE = Path(os.environ.get("DRAFTADAPT_TEST_CACHE", REPO / ".cache" / "tests"))
+
+# Every vLLM engine in the tests reserves a small, fixed KV cache (DESIGN.md: otherwise the
+# first engine takes ~92% of RAM and the next one cannot start).
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+def _source_hash(*dirs: Path) -> str:
+    h = hashlib.sha256()
+    for d in dirs:
+        for f in sorted(d.rglob("*.py")):
+            h.update(f.name.encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def cached_build(name: str, build, *source_dirs: Path) -> Path:
+    """Build into CACHE/name-<hash of sources> once; a complete build has a .done marker."""
+    out = CACHE / f"{name}-{_source_hash(*source_dirs)}"
+    if not (out / ".done").is_file():
+        out.mkdir(parents=True, exist_ok=True)
+        build(out)
+        (out / ".done").write_text("ok\n")
+    return out
+
+
+@pytest.fixture(scope="session")
+def toy_target() -> Path:
+    """The trained toy target (llama), built with `draftadapt toy build` semantics, seed 0."""
+    from draftadapt.toy.build import build
+
+    def _build(out: Path) -> None:
+        result = build(str(out), arch="llama", seed=0)
+        (out / "build_result.json").write_text(json.dumps(result))
+
+    return cached_build("toy-llama", _build, REPO / "draftadapt" / "toy")
+
+
+@pytest.fixture(scope="session")
+def known_target() -> Path:
+    """A target whose next-token distribution is an exact, known Markov chain."""
+    from draftadapt.toy.known import build_known_target
+
+    return cached_build("known-target", lambda out: build_known_target(out), REPO / "draftadapt" / "toy")

@@ -1,0 +1,148 @@
+"""Eagle-3 drafts in a real vLLM engine: metrics, in-place swaps, bad files, policy updates."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from draftadapt.drafts.formats import DraftFormatError, META_FILE, WEIGHTS_FILE
+from draftadapt.drafts.init import init_draft
+from draftadapt.engine.rollout import DraftSwapError
+
+from .conftest import start_engine, stop_engine, toy_prompts
+
+pytestmark = pytest.mark.integration
+K = 3
+
+
+@pytest.fixture(scope="module")
+def drafts(toy_target, tmp_path_factory):
+    root = tmp_path_factory.mktemp("eagle3")
+    v0 = init_draft(toy_target, "eagle3", root / "v0", fmt="speculators", seed=0, draft_vocab=48)
+    v1 = init_draft(toy_target, "eagle3", root / "v1", fmt="speculators", seed=1, draft_vocab=48)
+    for d, version in ((v1, 1),):  # give v1 its own version number in the manifest
+        import json
+
+        meta = json.loads((d / META_FILE).read_text())
+        meta["version"] = version
+        (d / META_FILE).write_text(json.dumps(meta))
+    return {"v0": v0, "v1": v1, "root": root}
+
+
+@pytest.fixture(scope="module")
+def engine(toy_target, drafts):
+    eng = start_engine(toy_target, drafts["v0"], method="eagle3", k=K)
+    yield eng
+    stop_engine(eng)
+
+
+def test_generate_reports_spec_metrics_as_deltas(engine, toy_target):
+    prompts = toy_prompts(toy_target, 16)
+    first = engine.generate(prompts, temperature=1.0, max_tokens=48, seed=0)
+    second = engine.generate(prompts[:4], temperature=1.0, max_tokens=48, seed=0)
+    for res in (first, second):
+        s = res.spec
+        assert s.drafts > 0
+        assert s.draft_tokens == K * s.drafts
+        assert len(s.accepted_per_pos) == K
+        assert sum(s.accepted_per_pos) == s.accepted_tokens
+        assert 0 <= s.accepted_tokens <= s.draft_tokens
+        assert 1.0 <= s.acceptance_length <= K + 1
+        assert res.num_tokens > 0
+    # deltas, not cumulative: 4 prompts cannot need more verification steps than 16 did
+    assert second.spec.drafts < first.spec.drafts
+
+
+def test_swap_changes_live_checksum_and_is_exact(engine, drafts):
+    before = engine.draft_state()
+    assert before["checksum"] == engine.live_checksum
+    swapped = engine.swap_draft(drafts["v1"])
+    assert swapped.version == 1
+    assert swapped.checksum != before["checksum"]
+    assert engine.draft_state()["checksum"] == swapped.checksum
+    back = engine.swap_draft(drafts["v0"])
+    # the same file read back gives the same checksum: the weights serve exactly as written
+    assert back.checksum == before["checksum"]
+    assert back.version == 0
+
+
+def test_bad_files_change_nothing(engine, drafts, toy_target, tmp_path):
+    live = engine.draft_state()["checksum"]
+    # 1. truncated weights (manifest sha256 no longer matches)
+    trunc = tmp_path / "trunc"
+    shutil.copytree(drafts["v1"], trunc)
+    data = (trunc / WEIGHTS_FILE).read_bytes()
+    (trunc / WEIGHTS_FILE).write_bytes(data[: len(data) // 2])
+    with pytest.raises(DraftSwapError, match="sha256"):
+        engine.swap_draft(trunc)
+    # 2. corrupt bytes with a manifest that agrees (no sha256): the header does not parse
+    garbage = tmp_path / "garbage"
+    shutil.copytree(drafts["v1"], garbage)
+    (garbage / WEIGHTS_FILE).write_bytes(b"\x00\x01not safetensors" * 64)
+    (garbage / META_FILE).write_text('{"version": 9}')
+    with pytest.raises(DraftSwapError, match="safetensors"):
+        engine.swap_draft(garbage)
+    # 3. a draft of another shape (other draft vocabulary)
+    other = init_draft(toy_target, "eagle3", tmp_path / "other", seed=2, draft_vocab=32)
+    with pytest.raises(DraftSwapError, match="does not fit"):
+        engine.swap_draft(other)
+    # 4. missing manifest
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(drafts["v1"] / WEIGHTS_FILE, bare / WEIGHTS_FILE)
+    with pytest.raises(DraftSwapError, match="complete published draft"):
+        engine.swap_draft(bare)
+    assert engine.draft_state()["checksum"] == live
+    res = engine.generate(toy_prompts(toy_target, 2), temperature=0.0, max_tokens=16)
+    assert res.spec.drafts > 0
+
+
+def test_greedy_identical_with_and_without_speculation(engine, plain_engine, toy_target):
+    prompts = toy_prompts(toy_target, 24)
+    spec = engine.generate(prompts, temperature=0.0, max_tokens=64)
+    plain = plain_engine.generate(prompts, temperature=0.0, max_tokens=64)
+    assert spec.spec.drafts > 0 and plain.spec.drafts == 0
+    assert [r.token_ids for r in spec.rollouts] == [r.token_ids for r in plain.rollouts]
+
+
+def test_policy_update_in_place_keeps_draft(engine, toy_target):
+    prompts = toy_prompts(toy_target, 8)
+    original = load_file(str(toy_target / WEIGHTS_FILE))
+    base = engine.generate(prompts, temperature=0.0, max_tokens=48)
+    draft_before = engine.draft_state()
+    policy_before = engine.policy_checksum()
+
+    g = torch.Generator().manual_seed(0)
+    moved = {k: v + 0.05 * torch.randn(v.shape, generator=g) if v.dim() == 2 else v for k, v in original.items()}
+    result = engine.update_policy(moved)
+    assert result["policy_checksum"] != policy_before
+    assert result["draft"]["checksum"] == draft_before["checksum"]
+    changed = engine.generate(prompts, temperature=0.0, max_tokens=48)
+    assert [r.token_ids for r in changed.rollouts] != [r.token_ids for r in base.rollouts]
+
+    restored = engine.update_policy(original)
+    assert restored["policy_checksum"] == policy_before
+    assert restored["draft"]["checksum"] == draft_before["checksum"]
+    again = engine.generate(prompts, temperature=0.0, max_tokens=48)
+    assert [r.token_ids for r in again.rollouts] == [r.token_ids for r in base.rollouts]
+
+
+def test_engine_refuses_unfit_drafts(toy_target, known_target, tmp_path):
+    # a draft exported for another target (the known-distribution target: other tokenizer size/hidden)
+    foreign = init_draft(known_target, "draft_model", tmp_path / "foreign")
+    with pytest.raises(DraftFormatError):
+        start_engine(toy_target, foreign, method="draft_model")
+    # a method mismatch is named, not served with acceptance 1.0
+    e3 = init_draft(toy_target, "eagle3", tmp_path / "e3")
+    with pytest.raises(DraftFormatError, match="method='eagle3'"):
+        start_engine(toy_target, e3, method="draft_model")
+    # a target without a tokenizer
+    notok = tmp_path / "notok"
+    shutil.copytree(toy_target, notok)
+    for f in notok.glob("tokenizer*"):
+        f.unlink()
+    with pytest.raises(DraftFormatError, match="tokenizer"):
+        start_engine(notok, None)

@@ -1,0 +1,52 @@
+from dataclasses import dataclass, field
+
+import pytest
+
+from draftadapt.config import ConfigError, load_config
+
+
+@dataclass
+class Train:
+    lr: float = 1e-3  # learning rate
+    steps: int = 10
+    layers: list[int] = field(default_factory=lambda: [1, 2])
+    mode: str = "kl"
+
+    def validate(self):
+        if self.lr <= 0:
+            raise ConfigError(f"train.lr must be > 0, got {self.lr}")
+
+
+@dataclass
+class Recipe:
+    name: str = "x"
+    train: Train = field(default_factory=Train)
+    flag: bool = False
+
+
+def test_yaml_then_overrides_win(tmp_path):
+    p = tmp_path / "r.yaml"
+    p.write_text("name: a\ntrain:\n  lr: 0.01\n  steps: 5\n")
+    cfg = load_config(Recipe, p, ["train.steps=7", "flag=true", "train.layers=[3,4]"])
+    assert cfg.name == "a" and cfg.train.lr == 0.01 and cfg.train.steps == 7
+    assert cfg.flag is True and cfg.train.layers == [3, 4]
+
+
+def test_unknown_keys_are_errors_naming_the_key(tmp_path):
+    p = tmp_path / "r.yaml"
+    p.write_text("train:\n  lrr: 0.01\n")
+    with pytest.raises(ConfigError, match=r"lrr.*known keys"):
+        load_config(Recipe, p)
+    with pytest.raises(ConfigError, match="nope"):
+        load_config(Recipe, None, ["train.nope=1"])
+
+
+def test_types_are_checked_and_validate_runs():
+    with pytest.raises(ConfigError, match="expected int"):
+        load_config(Recipe, None, ["train.steps=abc"])
+    with pytest.raises(ConfigError, match="must be > 0"):
+        load_config(Recipe, None, ["train.lr=-1"])
+    with pytest.raises(ConfigError, match="key=value"):
+        load_config(Recipe, None, ["train.lr"])
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(Recipe, "/nonexistent.yaml")

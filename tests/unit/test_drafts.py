@@ -1,0 +1,167 @@
+"""Eagle-3 head and draft formats, on tiny models built from config (no engine)."""
+
+import json
+
+import pytest
+import torch
+
+from draftadapt.drafts.eagle3 import default_aux_layers, init_from_target
+from draftadapt.drafts.formats import (
+    DraftFormatError,
+    check_draft_for_target,
+    export_eagle3,
+    load_eagle3,
+    target_fingerprint,
+)
+from draftadapt.drafts.init import init_draft
+from draftadapt.toy.model import ToyModelConfig, build_model
+from draftadapt.toy.tokenizer import build_tokenizer
+
+# vLLM's Eagle3LlamaForCausalLM.load_weights adds "model." to every name but lm_head, maps
+# d2t -> draft_id_to_target_id and ignores t2d; these are the names it resolves.
+VLLM_EAGLE3_NAMES = {
+    "embed_tokens.weight", "fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
+    "layers.0.hidden_norm.weight", "layers.0.input_layernorm.weight",
+    "layers.0.post_attention_layernorm.weight",
+    "layers.0.self_attn.q_proj.weight", "layers.0.self_attn.k_proj.weight",
+    "layers.0.self_attn.v_proj.weight", "layers.0.self_attn.o_proj.weight",
+    "layers.0.mlp.gate_proj.weight", "layers.0.mlp.up_proj.weight", "layers.0.mlp.down_proj.weight",
+}
+
+
+def make_target(path, layers=4, hidden=64, max_pos=256, arch="llama"):
+    cfg = ToyModelConfig(arch=arch, num_layers=layers, hidden_size=hidden, num_heads=2, num_kv_heads=2,
+                         intermediate_size=128, max_position_embeddings=max_pos)
+    model = build_model(cfg, seed=0)
+    model.save_pretrained(str(path))
+    build_tokenizer().save_pretrained(str(path))
+    return model
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    path = tmp_path_factory.mktemp("target")
+    return path, make_target(path)
+
+
+def test_default_aux_layers_are_distinct():
+    for L in range(3, 40):
+        ids = default_aux_layers(L)
+        assert len(set(ids)) == 3 and all(0 <= i < L for i in ids), (L, ids)
+    assert default_aux_layers(32) == [2, 16, 29]  # vLLM's default where it is valid
+
+
+def test_head_names_and_shapes_match_vllm(target):
+    path, model = target
+    head = init_from_target(model, None, 40, None, seed=0)
+    names = set(head.state_dict())
+    assert names == VLLM_EAGLE3_NAMES
+    sd = head.state_dict()
+    assert sd["fc.weight"].shape == (64, 3 * 64)
+    assert sd["layers.0.self_attn.q_proj.weight"].shape == (64, 2 * 64)  # attention input [emb ; hidden]
+    assert sd["lm_head.weight"].shape == (40, 64)
+    assert torch.equal(sd["embed_tokens.weight"], model.get_input_embeddings().weight)  # not random
+
+
+def test_unroll_step0_is_the_causal_forward(target):
+    _, model = target
+    head = init_from_target(model, [1, 2, 3], None, None, seed=0)
+    torch.manual_seed(0)
+    ids = torch.randint(4, 30, (2, 9))
+    aux = torch.randn(2, 9, 3 * 64)
+    with torch.no_grad():
+        out = head.unroll(ids, aux, steps=3)
+        ref = head.logits(head(ids, head.combine(aux)))
+    assert len(out) == 3 and out[0].shape == (2, 9, 64)
+    torch.testing.assert_close(out[0], ref)
+    # step j at index t sees only step-0 keys <= t: changing a later position leaves earlier ones alone
+    ids2 = ids.clone()
+    ids2[:, -1] = 5
+    with torch.no_grad():
+        out2 = head.unroll(ids2, aux, steps=3)
+    for j in range(3):
+        torch.testing.assert_close(out2[j][:, :-1], out[j][:, :-1])
+
+
+@pytest.mark.parametrize("fmt", ["speculators", "eagle"])
+def test_export_import_round_trip(target, tmp_path, fmt):
+    path, model = target
+    head = init_from_target(model, [1, 2, 3], 40, torch.arange(64.0), seed=1)
+    out = export_eagle3(head, tmp_path / fmt, path, fmt=fmt)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    assert cfg["draft_vocab_size"] == 40 and cfg["norm_before_residual"] is False
+    layer = cfg["transformer_layer_config"] if fmt == "speculators" else cfg
+    assert layer["max_position_embeddings"] == 256
+    meta = json.loads((out / "draftadapt.json").read_text())
+    assert meta["shared_modules"] == [] and meta["target"] == target_fingerprint(path)
+    back = load_eagle3(out, path)
+    for k, v in head.state_dict().items():
+        assert torch.equal(back.state_dict()[k], v), k
+    check_draft_for_target(out, path)
+
+
+def test_foreign_eagle_checkpoint_without_embeddings_gets_the_targets(target, tmp_path):
+    path, model = target
+    head = init_from_target(model, [1, 2, 3], 40, None, seed=1)
+    out = export_eagle3(head, tmp_path / "e", path, fmt="eagle")
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(str(out / "model.safetensors"))
+    del sd["embed_tokens.weight"]
+    save_file(sd, str(out / "model.safetensors"))
+    (out / "draftadapt.json").unlink()  # as another tool would ship it
+    back = load_eagle3(out, path)
+    assert torch.equal(back.embed_tokens.weight, model.get_input_embeddings().weight)
+    with pytest.raises(DraftFormatError, match="embed_tokens"):
+        load_eagle3(out, None)
+
+
+def test_unfit_drafts_are_refused_with_a_reason(target, tmp_path):
+    path, model = target
+    head = init_from_target(model, [1, 2, 3], 40, None, seed=1)
+    # max positions below the target's
+    head.cfg.max_position_embeddings = 128
+    with pytest.raises(DraftFormatError, match="max_position_embeddings 128 is below"):
+        export_eagle3(head, tmp_path / "short", path)
+    head.cfg.max_position_embeddings = 256
+    # aux layers beyond the target's depth
+    head.cfg.aux_layer_ids = [1, 2, 9]
+    with pytest.raises(DraftFormatError, match="aux layer ids"):
+        export_eagle3(head, tmp_path / "aux", path)
+    head.cfg.aux_layer_ids = [1, 2, 3]
+    # a draft for another target (other hidden size and depth)
+    other = tmp_path / "other"
+    make_target(other, layers=5, hidden=32)
+    d = init_draft(other, "eagle3", tmp_path / "d_other")
+    with pytest.raises(DraftFormatError, match="another target"):
+        check_draft_for_target(d, path)
+    # truncated weights
+    good = export_eagle3(head, tmp_path / "good", path)
+    data = (good / "model.safetensors").read_bytes()
+    (good / "model.safetensors").write_bytes(data[:100])
+    with pytest.raises(DraftFormatError, match="sha256"):
+        check_draft_for_target(good, path)
+    # missing tokenizer on the target side
+    notok = tmp_path / "notok"
+    model.save_pretrained(str(notok))
+    with pytest.raises(DraftFormatError, match="tokenizer"):
+        check_draft_for_target(d, notok)
+
+
+def test_small_lm_draft(target, tmp_path):
+    path, _ = target
+    d = init_draft(path, "draft_model", tmp_path / "lm")
+    cfg = json.loads((d / "config.json").read_text())
+    assert cfg["vocab_size"] == 64 and cfg["max_position_embeddings"] == 256
+    assert (d / "tokenizer.json").is_file()
+    assert check_draft_for_target(d, path)["method"] == "draft_model"
+
+
+def test_qwen3_target_gets_a_llama_type_head(tmp_path):
+    path = tmp_path / "q"
+    make_target(path, arch="qwen3")
+    d = init_draft(path, "eagle3", tmp_path / "d")
+    cfg = json.loads((d / "config.json").read_text())
+    assert cfg["transformer_layer_config"]["model_type"] == "llama"
+    assert load_eagle3(d, path).cfg.target_model_type == "qwen3"
