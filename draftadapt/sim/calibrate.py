@@ -21,7 +21,7 @@ import numpy as np
 
 from draftadapt.config import ConfigError
 from draftadapt.sim.config import SimConfig
-from draftadapt.sim.model import median_for_mean, simulate_step
+from draftadapt.sim.model import learner_times, median_for_mean, simulate_step
 from draftadapt.sim.telemetry import StepRecord
 
 FITTED_STAGES = ("prepare_s", "gen_s", "logprob_s", "train_s")
@@ -74,10 +74,18 @@ def record_config(cfg: SimConfig, rec: StepRecord) -> SimConfig:
 
 def predict(cfg: SimConfig, rec: StepRecord, mode: str | None = None) -> dict[str, float]:
     """Stage times the model gives for the step of ``rec``."""
-    mode = mode or cfg.pipeline.modes[0]
     run = record_config(cfg, rec)
-    st = simulate_step(run, mode, run.spec.accept_length if rec.speculative else None)
-    return {s: getattr(st, s) for s in FITTED_STAGES}
+    return {"gen_s": _gen_s(run, rec, mode), **_learner_s(run)}
+
+
+def _gen_s(run: SimConfig, rec: StepRecord, mode: str | None) -> float:
+    mode = mode or run.pipeline.modes[0]
+    return simulate_step(run, mode, run.spec.accept_length if rec.speculative else None).gen_s
+
+
+def _learner_s(run: SimConfig) -> dict[str, float]:
+    lt = learner_times(run)
+    return {"prepare_s": lt.prepare_s, "logprob_s": lt.logprob_s, "train_s": lt.train_s}
 
 
 @dataclass
@@ -143,19 +151,26 @@ def _usable(rec: StepRecord, stage: str) -> bool:
     return not (stage == "gen_s" and rec.speculative and rec.accept_length is None)
 
 
-def evaluate(cfg: SimConfig, records: list[StepRecord], mode: str | None = None) -> list[Residual]:
-    """Model vs telemetry for every logged stage (steps with identical inputs simulated once)."""
-    cache: dict[tuple, dict[str, float]] = {}
+def evaluate(cfg: SimConfig, records: list[StepRecord], mode: str | None = None,
+             gen_cache: dict | None = None) -> list[Residual]:
+    """Model vs telemetry for every logged stage. Generation does not depend on the learner's
+    parameters, so a fit that only moves those reuses ``gen_cache``."""
+    gen_cache = {} if gen_cache is None else gen_cache
     out = []
     for i, rec in enumerate(records):
         stages = [s for s in FITTED_STAGES if _usable(rec, s)]
         if not stages:
             continue
-        key = (rec.num_seqs, rec.mean_response, rec.k if rec.speculative else 0,
-               rec.accept_length if rec.speculative else None)
-        if key not in cache:
-            cache[key] = predict(cfg, rec, mode)
-        out.extend(Residual(i, s, getattr(rec, s), cache[key][s]) for s in stages)
+        run = record_config(cfg, rec)
+        predicted = _learner_s(run)
+        if "gen_s" in stages:
+            key = (rec.num_seqs, rec.mean_response, rec.k if rec.speculative else 0,
+                   rec.accept_length if rec.speculative else None, mode,
+                   repr((cfg.target, cfg.spec, cfg.engine, cfg.workload, cfg.cluster, cfg.pipeline)))
+            if key not in gen_cache:
+                gen_cache[key] = _gen_s(run, rec, mode)
+            predicted["gen_s"] = gen_cache[key]
+        out.extend(Residual(i, s, getattr(rec, s), predicted[s]) for s in stages)
     return out
 
 
@@ -183,14 +198,65 @@ def calibrate(
     high = np.array([BOUNDS.get(n, (0.0, math.inf))[1] for n in free]) / scale
     x0 = np.clip(np.array(list(start.values())) / scale, low + 1e-9, high - 1e-9)
 
+    gen_cache: dict = {}
+
     def residuals(x: np.ndarray) -> np.ndarray:
         trial = set_params(cfg, dict(zip(free, x * scale)))
-        return np.array([math.log(r.predicted / r.measured) for r in evaluate(trial, records, mode)])
+        return np.array([math.log(r.predicted / r.measured)
+                         for r in evaluate(trial, records, mode, gen_cache)])
 
     if free:
-        sol = least_squares(residuals, x0, bounds=(low, high), diff_step=1e-4, xtol=1e-8, ftol=1e-10)
+        sol = least_squares(residuals, x0, bounds=(low, high), diff_step=1e-4, xtol=1e-6, ftol=1e-6)
         fitted = dict(zip(free, (sol.x * scale).tolist()))
     else:
         fitted = {}
     final = set_params(cfg, fitted)
     return Fit(params=fitted, start=start, config=final, residuals=evaluate(final, records, mode))
+
+
+def synthetic_telemetry(
+    cfg: SimConfig,
+    steps: int,
+    *,
+    plain_steps: int = 2,
+    growth_per_step: float = 0.01,
+    adapt_every: int | None = None,
+    noise: float = 0.0,
+    seed: int = 0,
+) -> list[StepRecord]:
+    """Telemetry the model itself would log for a run of ``cfg`` (for tests and the sample).
+
+    The first ``plain_steps`` steps run without speculation (an A/B probe pins the length
+    tail); mean response length grows by ``growth_per_step`` per step as RL lengthens
+    answers; acceptance decays by spec.drift_per_step and, every ``adapt_every`` steps, an
+    adapted draft restores it. Stage times get multiplicative Gaussian noise of ``noise``.
+    """
+    from draftadapt.sim.model import beta_for_length, decayed_length, geometric_pos, mean_response
+
+    rng = np.random.default_rng(seed)
+    s = cfg.spec
+    base_mean = mean_response(cfg)
+    records = []
+    version, since = 0, 0
+    for t in range(steps):
+        spec = t >= plain_steps and s.k > 0
+        if spec and adapt_every and since >= adapt_every:
+            version, since = version + 1, 0
+        mean = base_mean * (1.0 + growth_per_step * t)
+        rec = StepRecord(step=t, policy_version=t, num_seqs=cfg.workload.rollouts,
+                         tokens=round(mean * cfg.workload.rollouts), k=s.k if spec else 0)
+        if spec:
+            alpha = decayed_length(s.accept_length, s.k, s.drift_per_step, since, s.accept_floor)
+            pos = geometric_pos(beta_for_length(alpha, s.k), s.k)
+            rec.accept_pos = [round(float(p), 4) for p in pos]
+            rec.accept_length = round(1.0 + sum(rec.accept_pos), 4)
+            rec.simulated_length = round(alpha, 4)  # the model knows the expected value exactly
+            rec.draft_version = version
+            since += 1
+        for stage, value in predict(cfg, rec).items():
+            setattr(rec, stage, round(value * float(np.exp(noise * rng.standard_normal())), 3))
+        if spec and adapt_every and since == 1 and version > 0:
+            rec.swap_ms = round(cfg.adapt.swap_ms, 1)
+            rec.adapt_s = round(cfg.adapt.train_s, 2)
+        records.append(rec)
+    return records

@@ -25,6 +25,7 @@ The pieces, bottom up:
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from dataclasses import asdict, dataclass, replace
@@ -224,46 +225,51 @@ def prefill_s(m: EngineModel, prompt: float) -> float:
 # workload
 
 
+@functools.lru_cache(maxsize=64)
+def _normal_quantiles(n: int) -> np.ndarray:
+    return np.array([NormalDist().inv_cdf((i + 0.5) / n) for i in range(n)])
+
+
 def response_lengths(cfg: SimConfig, n: int) -> np.ndarray:
     """n response lengths [n] in tokens: evenly spaced quantiles of the capped log-normal,
     so a run is deterministic and the tail is always represented."""
     w = cfg.workload
-    z = np.array([NormalDist().inv_cdf((i + 0.5) / n) for i in range(n)])
-    lengths = w.median_tokens * np.exp(w.sigma * z)
+    lengths = w.median_tokens * np.exp(w.sigma * _normal_quantiles(n))
     return np.clip(lengths, 1.0, w.max_tokens)  # not rounded: keeps fits smooth
 
 
-def mean_response(cfg: SimConfig) -> float:
-    """E[min(X, max_tokens)] of the log-normal, in tokens (what the learner trains on)."""
-    w = cfg.workload
-    if w.sigma == 0:
-        return min(w.median_tokens, w.max_tokens)
-    mu, s, c = math.log(w.median_tokens), w.sigma, float(w.max_tokens)
+def capped_lognormal_mean(median: float, sigma: float, cap: float) -> float:
+    """E[min(X, cap)] for X log-normal with this median and shape, in tokens."""
+    if sigma == 0:
+        return min(median, cap)
+    mu, s = math.log(median), sigma
     phi = NormalDist().cdf
-    below = math.exp(mu + s * s / 2) * phi((math.log(c) - mu - s * s) / s)
-    return below + c * (1.0 - phi((math.log(c) - mu) / s))
+    below = math.exp(mu + s * s / 2) * phi((math.log(cap) - mu - s * s) / s)
+    return below + cap * (1.0 - phi((math.log(cap) - mu) / s))
+
+
+def mean_response(cfg: SimConfig) -> float:
+    """Mean response length the learner trains on, tokens."""
+    w = cfg.workload
+    return capped_lognormal_mean(w.median_tokens, w.sigma, w.max_tokens)
 
 
 def median_for_mean(cfg: SimConfig, mean: float) -> float:
     """The log-normal median whose capped mean is ``mean`` tokens, at the recipe's sigma and
     cap (telemetry reports mean lengths; the model is parametrised by the median)."""
-    cap = cfg.workload.max_tokens
-    if not 0 < mean < cap:
-        raise ConfigError(f"mean response length {mean:.0f} must lie in (0, workload.max_tokens={cap})")
-    lo, hi = 1e-3, float(cap)
-    while mean_response(_with_median(cfg, hi)) < mean:
-        hi *= 2.0
-    for _ in range(80):
-        mid = math.sqrt(lo * hi)
-        if mean_response(_with_median(cfg, mid)) < mean:
+    w = cfg.workload
+    if not 0 < mean < w.max_tokens:
+        raise ConfigError(f"mean response length {mean:.0f} must lie in (0, workload.max_tokens={w.max_tokens})")
+    lo, hi = math.log(1e-3), math.log(float(w.max_tokens))
+    while capped_lognormal_mean(math.exp(hi), w.sigma, w.max_tokens) < mean:
+        hi += 1.0
+    for _ in range(60):  # the capped mean rises with the median
+        mid = 0.5 * (lo + hi)
+        if capped_lognormal_mean(math.exp(mid), w.sigma, w.max_tokens) < mean:
             lo = mid
         else:
             hi = mid
-    return math.sqrt(lo * hi)
-
-
-def _with_median(cfg: SimConfig, median: float) -> SimConfig:
-    return replace(cfg, workload=replace(cfg.workload, median_tokens=median))
+    return math.exp(0.5 * (lo + hi))
 
 
 # ---------------------------------------------------------------------------------------------
