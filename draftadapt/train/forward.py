@@ -1,0 +1,105 @@
+"""The draft's forward pass for training and scoring, as ``nn.Module.forward``.
+
+Data parallel wrappers (DDP, DeepSpeed engines) hook ``forward``: the Eagle-3 unroll must run
+through it, not through a side method, or gradients are not reduced across ranks. Both modules
+return *step logits* in one convention (see ``metrics.acceptance.simulate_acceptance``):
+``step_logits[i][:, t]`` are the draft's logits for token t + i + 2, i.e. position i of a draft
+made right after token t + 1 became known.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from draftadapt.drafts.eagle3 import Eagle3Head
+from draftadapt.drafts.vocab import draft_to_target_ids
+from draftadapt.metrics.acceptance import shift_left
+
+METHODS = ("eagle3", "draft_model")
+
+
+class Eagle3TTT(nn.Module):
+    """An Eagle-3 head unrolled ``steps`` deep with training-time test (EAGLE-3, section 3.2).
+
+    The head's own outputs replace the target's features from step 1 on (``Eagle3Head.unroll``:
+    step i at slot t attends to the step-0 keys up to t and to its own step-1..i keys at t, the
+    keys vLLM's draft KV cache holds). Token inputs at step i (``feed``):
+
+    - "data" (default): the sequence's own tokens t + 2 .. t + i + 1. A proposal only matters if
+      every earlier one was accepted, and then the earlier proposals *are* those tokens, so this is
+      the conditioning that acceptance depends on; it also keeps the target distribution (computed
+      on the data prefix) consistent with the draft's input.
+    - "argmax": the head's own argmax at the previous step (the literal inference-time input).
+    """
+
+    def __init__(self, head: Eagle3Head, steps: int, feed: str = "data", pad_id: int = 0):
+        super().__init__()
+        if steps < 1:
+            raise ValueError(f"TTT depth must be >= 1, got {steps}")
+        if feed not in ("data", "argmax"):
+            raise ValueError(f"unknown TTT feed {feed!r}; use 'data' or 'argmax'")
+        self.head = head
+        self.steps = steps
+        self.feed = feed
+        self.pad_id = pad_id
+
+    def forward(self, input_ids: torch.Tensor, aux: torch.Tensor, steps: int | None = None) -> list[torch.Tensor]:
+        """input_ids: [B, T] sequence tokens; aux: [B, T, n*H] -> ``steps`` x [B, T, Vd]."""
+        ids = shift_left(input_ids, 1, self.pad_id)  # slot t consumes token t + 1
+        feed = None
+        if self.feed == "data":
+            def feed(j, _logits):  # ids fed at step j + 1: token t + j + 2
+                return shift_left(input_ids, j + 2, self.pad_id)
+        w = self.head.fc.weight
+        return self.head.unroll(ids, aux.to(w.dtype), steps or self.steps, feed_ids=feed)
+
+
+class DraftLMForward(nn.Module):
+    """A small draft LM (HF causal LM), teacher-forced; step i reuses the logits one position on."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """[B, T] -> logits [B, T, V] (position t predicts token t + 1)."""
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+
+
+def lm_step_logits(logits: torch.Tensor, k: int) -> list[torch.Tensor]:
+    """Teacher-forced LM logits [B, T, V] -> k step logits: step i at slot t = logits at t + i + 1.
+
+    With the data tokens as the earlier proposals a draft LM's i-th proposal after token t + 1 is
+    simply its prediction at position t + i + 1.
+    """
+    return [shift_left(logits, i + 1, 0.0) for i in range(k)]
+
+
+def wrap_draft(draft: nn.Module, method: str, ttt_steps: int = 3, feed: str = "data", pad_id: int = 0) -> nn.Module:
+    if method == "eagle3":
+        if not isinstance(draft, Eagle3Head):
+            raise TypeError(f"method 'eagle3' trains an Eagle3Head, got {type(draft).__name__}")
+        return Eagle3TTT(draft, ttt_steps, feed, pad_id)
+    if method == "draft_model":
+        return DraftLMForward(draft)
+    raise ValueError(f"unknown draft method {method!r}; use one of {METHODS}")
+
+
+def unwrap_draft(module: nn.Module) -> nn.Module:
+    return module.head if isinstance(module, Eagle3TTT) else module.model
+
+
+def draft_vocab_ids(module: nn.Module) -> torch.Tensor:
+    """[Vd] target id of each draft id (identity for a draft LM, which shares the vocabulary)."""
+    if isinstance(module, Eagle3TTT):
+        return draft_to_target_ids(module.head.d2t.cpu())
+    return torch.arange(module.model.config.vocab_size)
+
+
+def step_logits(module: nn.Module, batch, k: int) -> list[torch.Tensor]:
+    """Run the (possibly wrapped) forward module on a CapturedBatch -> k step logits [B, T, Vd]."""
+    inner = getattr(module, "module", module)  # DDP / DeepSpeed keep the model at .module
+    if isinstance(inner, Eagle3TTT):
+        return module(batch.input_ids, batch.aux, k)
+    return lm_step_logits(module(batch.input_ids, batch.attention_mask), k)

@@ -1,0 +1,124 @@
+"""Draft losses: pure functions on tensors, with shape comments. No model code here.
+
+Slot convention for Eagle-3 (vLLM's alignment; see ``drafts/eagle3.py``): slot t of the head
+consumes token t + 1 and the target's aux hidden state at position t; training-time-test step i
+at slot t predicts token t + i + 2, whose target distribution is the target's output at position
+t + i + 1. ``target_logp[:, u]`` is log p(token u + 1 | tokens <= u) at the draft vocabulary's
+ids, and ``loss_mask[:, u]`` says whether token u + 1 is a response token.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from draftadapt.metrics.acceptance import shift_left
+
+
+def forward_kl(draft_logits: torch.Tensor, target_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean over masked positions of KL(p || q), p the target restricted to the draft vocabulary.
+
+    draft_logits: [..., Vd]; target_logp: [..., Vd] target log-probs at the draft vocab's ids
+    (renormalised here, so KL = 0 exactly when the draft equals the restricted target);
+    mask: [...] bool -> scalar.
+    """
+    logp = torch.log_softmax(target_logp.float(), dim=-1)  # [..., Vd] restricted + renormalised
+    logq = torch.log_softmax(draft_logits.float(), dim=-1)
+    kl = (logp.exp() * (logp - logq)).sum(-1)  # [...]
+    return _masked_mean(kl, mask)
+
+
+def cross_entropy(draft_logits: torch.Tensor, target_draft_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean over masked positions of -log q(sampled token); ids outside the draft vocab are -1 (skipped).
+
+    draft_logits: [..., Vd]; target_draft_ids: [...] long draft ids or -1; mask: [...] bool -> scalar.
+    """
+    keep = mask & (target_draft_ids >= 0)
+    nll = F.cross_entropy(
+        draft_logits.float().reshape(-1, draft_logits.shape[-1]),
+        target_draft_ids.clamp_min(0).reshape(-1),
+        reduction="none",
+    ).view(target_draft_ids.shape)
+    return _masked_mean(nll, keep)
+
+
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    m = mask.to(x.dtype)
+    # Sum over an empty mask is 0 with a zero gradient, not NaN: a batch whose sequences are all
+    # shorter than the unroll depth must not poison the optimizer state.
+    return (x * m).sum() / m.sum().clamp_min(1.0)
+
+
+def ttt_targets(target_logp: torch.Tensor, loss_mask: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Target log-probs and mask for TTT step ``step`` at every slot.
+
+    target_logp: [B, T, Vd]; loss_mask: [B, T] -> ([B, T, Vd], [B, T]) shifted left by step + 1.
+    """
+    return shift_left(target_logp, step + 1, 0.0), shift_left(loss_mask, step + 1, False)
+
+
+def ttt_loss(
+    step_logits: list[torch.Tensor],
+    target_logp: torch.Tensor,
+    loss_mask: torch.Tensor,
+    step_weights: list[float],
+    kind: str = "kl",
+    target_draft_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """Eagle-3 training-time-test loss: a weighted sum over unrolled steps.
+
+    step_logits: S tensors [B, T, Vd] from ``Eagle3Head.unroll`` (step i at slot t predicts token
+    t + i + 2); target_logp: [B, T, Vd]; loss_mask: [B, T] bool; step_weights: S floats (EAGLE-3 /
+    HASS use 0.8^i: later steps are harder and noisier); kind: "kl" (forward KL to the target
+    distribution) or "ce" (cross-entropy on the sampled tokens, ``target_draft_ids`` [B, T] the
+    draft id of token t + 1, -1 outside the draft vocab).
+    Returns (loss scalar, per-step losses, per-step top-1 agreement with the target's argmax).
+    """
+    if kind not in ("kl", "ce"):
+        raise ValueError(f"unknown draft loss {kind!r}; use 'kl' or 'ce'")
+    if kind == "ce" and target_draft_ids is None:
+        raise ValueError("the 'ce' loss needs target_draft_ids (the sampled tokens as draft ids)")
+    total = step_logits[0].new_zeros((), dtype=torch.float32)
+    losses, accs = [], []
+    for i, logits in enumerate(step_logits):
+        tgt, mask = ttt_targets(target_logp, loss_mask, i)
+        if kind == "kl":
+            loss = forward_kl(logits, tgt, mask)
+        else:
+            loss = cross_entropy(logits, shift_left(target_draft_ids, i + 1, -1), mask)
+        total = total + step_weights[i] * loss
+        losses.append(loss.detach())
+        accs.append(top1_agreement(logits, tgt, mask))
+    return total, losses, accs
+
+
+def distill_loss(
+    draft_logits: torch.Tensor, target_logp: torch.Tensor, loss_mask: torch.Tensor, kind: str = "kl",
+    target_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Small draft LM distillation: position t predicts token t + 1, teacher-forced.
+
+    draft_logits: [B, T, V]; target_logp: [B, T, V]; loss_mask: [B, T] bool; kind "kl" or "ce"
+    (``target_ids`` [B, T] = token t + 1). Returns (loss, top-1 agreement with the target).
+    """
+    if kind == "kl":
+        loss = forward_kl(draft_logits, target_logp, loss_mask)
+    elif kind == "ce":
+        if target_ids is None:
+            raise ValueError("the 'ce' loss needs target_ids (the sampled next tokens)")
+        loss = cross_entropy(draft_logits, target_ids, loss_mask)
+    else:
+        raise ValueError(f"unknown draft loss {kind!r}; use 'kl' or 'ce'")
+    return loss, top1_agreement(draft_logits, target_logp, loss_mask)
+
+
+@torch.no_grad()
+def top1_agreement(draft_logits: torch.Tensor, target_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Fraction of masked positions where argmax q == argmax p. [..., V], [..., V], [...] -> scalar."""
+    same = (draft_logits.argmax(-1) == target_logp.argmax(-1)).float()
+    return _masked_mean(same, mask)
+
+
+def step_weights(steps: int, decay: float) -> list[float]:
+    """[decay^0, decay^1, ...]: the EAGLE-3 / HASS TTT weighting (decay 0.8)."""
+    return [decay**i for i in range(steps)]

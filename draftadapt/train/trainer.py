@@ -1,0 +1,354 @@
+"""The draft trainer: built once, stepped many times (pretraining and online adaptation alike).
+
+    trainer = DraftTrainer(head, "eagle3", TrainConfig(), total_steps=1000)
+    for batch in iter_captured(capture, batches):          # CapturedBatch, one at a time
+        metrics = trainer.train_step(batch)                 # optimizer state persists
+    trainer.train_steps(more_batches, n=50)                 # later, on new data
+    visited, uniform = trainer.score(heldout_batches, k=3)  # simulated vLLM acceptance
+    trainer.save_checkpoint(dir); trainer.load_checkpoint(dir)
+
+Data parallel through accelerate (DDP; gloo on CPU) or DeepSpeed ZeRO (``zero_stage`` or a
+DeepSpeed JSON config; on CPU run with ``DS_ACCELERATOR=cpu``). Each rank trains on its own
+batches; metrics are reduced as sums and counts.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from draftadapt.capture.hidden import CapturedBatch
+from draftadapt.metrics.acceptance import AcceptanceStats, simulate_acceptance
+from draftadapt.train import losses
+from draftadapt.train.forward import (
+    Eagle3TTT,
+    draft_vocab_ids,
+    step_logits,
+    unwrap_draft,
+    wrap_draft,
+)
+
+STATE_FILE = "trainer_state.json"
+
+
+@dataclass
+class TrainConfig:
+    lr: float = 3e-3  # AdamW peak learning rate
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0  # global grad-norm clip; 0 disables
+    warmup_steps: int = 20  # linear warmup from 0
+    schedule: str = "cosine"  # "cosine" (to min_lr_ratio at total_steps) or "constant" after warmup
+    min_lr_ratio: float = 0.1
+    batch_size: int = 32  # sequences per optimizer step per rank
+    ttt_steps: int = 3  # Eagle-3 training-time-test depth (EAGLE-3 unrolls >= 3; vLLM k = 3)
+    step_decay: float = 0.8  # weight of TTT step i is decay^i (EAGLE-3 / HASS)
+    ttt_feed: str = "data"  # token inputs of TTT steps >= 1: "data" or "argmax" (see train/forward.py)
+    loss: str = "kl"  # "kl": forward KL to the target restricted to the draft vocab; "ce": sampled tokens
+    zero_stage: int = 0  # 0: plain DDP; 1-3: DeepSpeed ZeRO stage (needs deepspeed; CPU: DS_ACCELERATOR=cpu)
+    deepspeed_config: str | None = None  # path to a DeepSpeed JSON config (overrides zero_stage)
+    seed: int = 0
+    threads: int = 0  # torch intra-op threads for training; 0 = leave torch's default
+
+    def validate(self) -> None:
+        from draftadapt.config import ConfigError
+
+        if self.schedule not in ("cosine", "constant"):
+            raise ConfigError(f"train.schedule {self.schedule!r}: use 'cosine' or 'constant'")
+        if self.loss not in ("kl", "ce"):
+            raise ConfigError(f"train.loss {self.loss!r}: use 'kl' (forward KL) or 'ce' (sampled tokens)")
+        if self.ttt_feed not in ("data", "argmax"):
+            raise ConfigError(f"train.ttt_feed {self.ttt_feed!r}: use 'data' or 'argmax'")
+        if self.ttt_steps < 1:
+            raise ConfigError(f"train.ttt_steps must be >= 1 (got {self.ttt_steps}); EAGLE-3 uses >= 3")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ConfigError(f"train.zero_stage {self.zero_stage}: use 0 (DDP) or a ZeRO stage 1-3")
+        if self.batch_size < 1 or self.lr <= 0:
+            raise ConfigError("train.batch_size must be >= 1 and train.lr > 0")
+
+
+def make_accelerator(cfg: TrainConfig):
+    """An accelerate ``Accelerator``: DDP (gloo on CPU) or DeepSpeed ZeRO from the config."""
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin
+
+    plugin = None
+    if cfg.deepspeed_config or cfg.zero_stage:
+        ds = _deepspeed_dict(cfg)
+        plugin = DeepSpeedPlugin(hf_ds_config=ds)
+    return Accelerator(cpu=not torch.cuda.is_available(), deepspeed_plugin=plugin)
+
+
+def _deepspeed_dict(cfg: TrainConfig) -> dict[str, Any]:
+    """The DeepSpeed config: the user's JSON if given, with what this trainer controls filled in."""
+    ds: dict[str, Any] = {}
+    if cfg.deepspeed_config:
+        path = Path(cfg.deepspeed_config)
+        if not path.is_file():
+            raise FileNotFoundError(f"train.deepspeed_config {path} does not exist; pass a DeepSpeed JSON file")
+        ds = json.loads(path.read_text())
+    else:
+        ds["zero_optimization"] = {"stage": cfg.zero_stage}
+    # One trainer step is one micro batch on each rank; the batch is sized by train.batch_size.
+    ds.setdefault("train_micro_batch_size_per_gpu", 1)
+    ds.setdefault("gradient_accumulation_steps", 1)
+    ds.setdefault("gradient_clipping", cfg.grad_clip)
+    # Our AdamW is torch's (FusedAdam needs CUDA); ZeRO refuses unknown optimizers unless told.
+    ds.setdefault("zero_allow_untested_optimizer", True)
+    ds.setdefault("steps_per_print", 10**9)
+    return ds
+
+
+def lr_lambda(cfg: TrainConfig, total_steps: int | None):
+    def f(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        if cfg.schedule == "constant" or not total_steps:
+            return 1.0
+        frac = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac))
+    return f
+
+
+class DraftTrainer:
+    """Owns the draft, its optimizer, schedule and step counter; see the module docstring."""
+
+    def __init__(self, draft: nn.Module, method: str, cfg: TrainConfig, total_steps: int | None = None,
+                 accelerator=None, pad_id: int = 0):
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        self.cfg = cfg
+        self.method = method
+        self.accelerator = accelerator or make_accelerator(cfg)
+        self.is_deepspeed = self.accelerator.state.deepspeed_plugin is not None
+        torch.manual_seed(cfg.seed)
+        module = wrap_draft(draft, method, cfg.ttt_steps, cfg.ttt_feed, pad_id)
+        module.train()
+        decay, no_decay = [], []
+        for name, p in module.named_parameters():
+            if not p.requires_grad:
+                continue
+            (decay if p.ndim >= 2 and "norm" not in name else no_decay).append(p)
+        opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+        )
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, total_steps))
+        self.model, self.optimizer, self.scheduler = self.accelerator.prepare(module, opt, sched)
+        self._vocab_ids = draft_vocab_ids(module)  # [Vd] target id of each draft id
+        t2d = torch.full((int(self._vocab_ids.max()) + 1,), -1, dtype=torch.long)
+        t2d[self._vocab_ids] = torch.arange(self._vocab_ids.numel())
+        self._target_to_draft = t2d  # target id -> draft id, -1 outside the draft vocab
+        self.weights = losses.step_weights(cfg.ttt_steps, cfg.step_decay)
+        self.step = 0  # optimizer steps taken
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def draft(self) -> nn.Module:
+        """The bare draft (Eagle3Head or HF model) for export; shares parameters with training."""
+        return unwrap_draft(self.accelerator.unwrap_model(self.model))
+
+    def export_draft(self) -> nn.Module:
+        """A full-weight CPU copy of the draft for export (gathers ZeRO-3 partitions; all ranks call it)."""
+        import copy
+
+        state = self.accelerator.get_state_dict(self.model)  # names of the wrapper: head.* / model.*
+        draft = copy.deepcopy(self.draft).cpu()
+        prefix = "head." if self.method == "eagle3" else "model."
+        if state is not None:
+            draft.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
+        return draft.eval()
+
+    @property
+    def device(self) -> torch.device:
+        return self.accelerator.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.accelerator.is_main_process
+
+    # ------------------------------------------------------------------ training
+
+    def _sampled_draft_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[B, T] -> [B, T] draft id of token t + 1 (-1 outside the draft vocab): CE labels."""
+        nxt = torch.cat([input_ids[:, 1:], input_ids[:, :1]], dim=1)
+        t2d = self._target_to_draft.to(input_ids.device)
+        ids = t2d[nxt.clamp(max=t2d.numel() - 1)]
+        return torch.where(nxt < t2d.numel(), ids, torch.full_like(ids, -1))
+
+    def _loss(self, batch: CapturedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[torch.Tensor]]:
+        if self.method == "eagle3":
+            steps = step_logits(self.model, batch, self.cfg.ttt_steps)
+            loss, per_step, accs = losses.ttt_loss(
+                steps, batch.target_logp, batch.loss_mask, self.weights, self.cfg.loss,
+                self._sampled_draft_ids(batch.input_ids) if self.cfg.loss == "ce" else None,
+            )
+        else:
+            logits = self.model(batch.input_ids, batch.attention_mask)
+            loss, acc = losses.distill_loss(
+                logits, batch.target_logp, batch.loss_mask, self.cfg.loss,
+                self._sampled_draft_ids(batch.input_ids) if self.cfg.loss == "ce" else None,
+            )
+            per_step, accs = [loss.detach()], [acc]
+            from draftadapt.train.forward import lm_step_logits
+
+            steps = lm_step_logits(logits.detach(), self.cfg.ttt_steps)
+        parts = {f"loss_pos_{i}": l for i, l in enumerate(per_step)}
+        parts.update({f"acc_pos_{i}": a for i, a in enumerate(accs)})
+        return loss, parts, steps
+
+    def train_step(self, batch: CapturedBatch) -> dict[str, float]:
+        """One optimizer step on one captured batch; returns metrics averaged over ranks.
+
+        Keys: ``train/loss``, ``train/loss_pos_i``, ``train/acc_pos_i``, ``train/lr``,
+        ``train/grad_norm``, ``train/tokens`` (summed over ranks), ``accept/simulated_length``
+        and ``accept/pos_i`` (simulated on this batch over every drafting start).
+        """
+        batch = batch.to(self.device)
+        self.model.train()
+        loss, parts, steps = self._loss(batch)
+        self.accelerator.backward(loss)
+        grad_norm = torch.zeros(())
+        if self.cfg.grad_clip and not self.is_deepspeed:  # DeepSpeed clips from its own config
+            grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        with torch.no_grad():
+            _, uniform = simulate_acceptance(
+                [s.detach() for s in steps], self._vocab_ids, batch.target_logp, batch.input_ids, batch.loss_mask,
+                visit=False,
+            )
+        means = torch.stack([loss.detach().float(), *[v.float() for v in parts.values()],
+                             torch.as_tensor(grad_norm, dtype=torch.float32).reshape(())])
+        means = self.accelerator.reduce(means.to(self.device), reduction="mean").cpu()
+        sums = self.accelerator.reduce(
+            torch.cat([uniform.to_tensor(), torch.tensor([float(batch.num_tokens)], dtype=torch.float64)]).to(self.device),
+            reduction="sum",
+        ).cpu()
+        acc = AcceptanceStats.from_tensor(sums[:-1])
+        out = {"train/loss": float(means[0])}
+        for name, v in zip(parts, means[1:-1]):
+            out[f"train/{name}"] = float(v)
+        out["train/grad_norm"] = float(means[-1])
+        out["train/lr"] = float(lr)
+        out["train/tokens"] = float(sums[-1])
+        out.update(acceptance_metrics(acc, prefix="accept"))
+        return out
+
+    def train_steps(self, batches: Iterable[CapturedBatch], n: int | None = None, callback=None) -> dict[str, float]:
+        """Up to ``n`` steps (all batches if None); returns each metric averaged over the steps.
+
+        ``callback(step, metrics)`` runs after each step (logging, checkpointing, progress).
+        """
+        totals: dict[str, float] = {}
+        done = 0
+        for batch in batches:
+            if n is not None and done >= n:
+                break
+            m = self.train_step(batch)
+            done += 1
+            for key, v in m.items():
+                totals[key] = totals.get(key, 0.0) + v
+            if callback is not None:
+                callback(self.step, m)
+        return {key: v / done for key, v in totals.items()} if done else {}
+
+    # ------------------------------------------------------------------ validation
+
+    @torch.no_grad()
+    def score(self, batches: Iterable[CapturedBatch], k: int = 3) -> tuple[AcceptanceStats, AcceptanceStats]:
+        """Simulated vLLM acceptance of the current draft at k speculative tokens.
+
+        ``batches`` must be captured at the temperature the engine samples at. Returns
+        (stats over the starts vLLM visits, stats over every start), summed over ranks.
+        """
+        self.model.eval()
+        visited, uniform = score_draft(self.model, batches, k, self._vocab_ids, self.device)
+        self.model.train()
+        v = self.accelerator.reduce(visited.to_tensor().to(self.device), reduction="sum").cpu()
+        u = self.accelerator.reduce(uniform.to_tensor().to(self.device), reduction="sum").cpu()
+        return AcceptanceStats.from_tensor(v), AcceptanceStats.from_tensor(u)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save_checkpoint(self, path: str | Path, extra: dict[str, Any] | None = None) -> Path:
+        """Model, optimizer, schedule and RNG states plus ``trainer_state.json`` (written last).
+
+        Written to ``path.tmp`` and renamed, so an interrupted save never shadows the last good one.
+        """
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        if self.is_main and tmp.exists():
+            shutil.rmtree(tmp)
+        self.accelerator.wait_for_everyone()
+        self.accelerator.save_state(str(tmp))
+        self.accelerator.wait_for_everyone()
+        if self.is_main:
+            state = {"step": self.step, "method": self.method, **(extra or {})}
+            (tmp / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
+            if path.exists():
+                shutil.rmtree(path)
+            os.replace(tmp, path)
+        self.accelerator.wait_for_everyone()
+        return path
+
+    def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
+        """Restore everything :meth:`save_checkpoint` wrote; returns its ``trainer_state.json``."""
+        path = Path(path)
+        state_file = path / STATE_FILE
+        if not state_file.is_file():
+            raise FileNotFoundError(f"{path} is not a complete checkpoint (no {STATE_FILE}); delete it and resume from an earlier one")
+        state = json.loads(state_file.read_text())
+        if state.get("method") not in (None, self.method):
+            raise ValueError(f"{path} is a {state['method']} checkpoint; this trainer trains {self.method}")
+        self.accelerator.load_state(str(path))
+        self.step = int(state["step"])
+        return state
+
+
+@torch.no_grad()
+def score_draft(module: nn.Module, batches: Iterable[CapturedBatch], k: int, vocab_ids: torch.Tensor | None = None,
+                device: torch.device | str = "cpu") -> tuple[AcceptanceStats, AcceptanceStats]:
+    """Simulated acceptance of a draft on captured held-out data, on this process only.
+
+    module: a forward module from ``train.forward.wrap_draft`` (or a bare Eagle3Head / HF draft
+    LM, wrapped here). Returns (visited-starts stats, every-start stats), both summed.
+    """
+    if not isinstance(module, nn.Module) or not hasattr(module, "forward"):
+        raise TypeError("score_draft needs a draft module")
+    inner = getattr(module, "module", module)
+    if not isinstance(inner, (Eagle3TTT,)) and not hasattr(inner, "model"):
+        from draftadapt.drafts.eagle3 import Eagle3Head
+
+        module = wrap_draft(module, "eagle3" if isinstance(module, Eagle3Head) else "draft_model", k)
+        inner = module
+    if vocab_ids is None:
+        vocab_ids = draft_vocab_ids(inner)
+    visited, uniform = AcceptanceStats(k), AcceptanceStats(k)
+    for batch in batches:
+        batch = batch.to(device)
+        steps = step_logits(module, batch, k)
+        v, u = simulate_acceptance(steps, vocab_ids, batch.target_logp, batch.input_ids, batch.loss_mask)
+        visited, uniform = visited + v, uniform + u
+    return visited, uniform
+
+
+def acceptance_metrics(stats: AcceptanceStats, prefix: str = "accept") -> dict[str, float]:
+    """``{prefix}/simulated_length`` and ``{prefix}/pos_i`` from summed stats."""
+    out = {f"{prefix}/simulated_length": stats.length}
+    for i, r in enumerate(stats.per_position):
+        out[f"{prefix}/pos_{i}"] = r
+    return out
