@@ -2,9 +2,12 @@
 
     draftadapt simulate recipes/sim_qwen3_8b_sync.yaml
     draftadapt simulate recipes/sim_qwen3_235b_async.yaml spec.accept_length=3.5 --plot out.png
+    draftadapt simulate recipes/sim_qwen3_8b_think_sync.yaml calibration.telemetry=run/telemetry.jsonl
 
 prints the step-time table per pipeline and configuration, each published figure beside
-its projection, and (with adaptation on) what adapting now would gain.
+its projection, and (with adaptation on) what adapting now would gain. With
+calibration.telemetry set it first fits the recipe's free parameters to that run and
+prints the fit and its error.
 """
 
 from __future__ import annotations
@@ -13,10 +16,12 @@ import json
 import sys
 
 from draftadapt.config import ConfigError, load_config, to_dict
+from draftadapt.sim.calibrate import FITTED_STAGES, calibrate
 from draftadapt.sim.config import SimConfig
 from draftadapt.sim.costbenefit import adapt_gain, step_time_fn
 from draftadapt.sim.model import decayed_length, simulate
 from draftadapt.sim.report import ceiling_check, compare, format_comparisons, format_table
+from draftadapt.sim.telemetry import TelemetryError, read_telemetry
 
 
 def _adapt_line(cfg: SimConfig) -> tuple[str, dict] | None:
@@ -39,12 +44,19 @@ def _adapt_line(cfg: SimConfig) -> tuple[str, dict] | None:
 
 
 def run(recipe: str, overrides: list[str], json_out: bool = False, plot: str | None = None) -> int:
+    fit = None
     try:
         cfg = load_config(SimConfig, recipe, overrides)
+        if cfg.calibration.telemetry:
+            records = read_telemetry(cfg.calibration.telemetry)
+            fit = calibrate(cfg, records, cfg.calibration.free)
+            cfg = fit.config
+            # published variants are re-read from the recipe: they get the fitted values too
+            overrides = list(overrides) + [f"{k}={v!r}" for k, v in fit.params.items()]
         result = simulate(cfg)
         comparisons = compare(recipe, overrides, cfg, result)
         adapt = _adapt_line(cfg)
-    except ConfigError as exc:
+    except (ConfigError, TelemetryError) as exc:
         print(f"draftadapt simulate: {exc}", file=sys.stderr)
         return 2
     if plot:
@@ -60,10 +72,19 @@ def run(recipe: str, overrides: list[str], json_out: bool = False, plot: str | N
             **result.to_dict(),
             "published": [c.to_dict() for c in comparisons],
             "adapt_decision": adapt[1] if adapt else None,
+            "calibration": None if fit is None else {
+                "params": fit.params, "start": fit.start, "rms_rel_err": fit.rms(),
+                "max_abs_rel_err": fit.max_abs_err,
+                "rms_rel_err_by_stage": {s: fit.rms(s) for s in FITTED_STAGES
+                                         if any(r.stage == s for r in fit.residuals)},
+            },
             "assumptions": cfg.assumptions,
             "config": to_dict(cfg),
         }, indent=1))
         return 0
+    if fit is not None:
+        print(f"calibrated to {cfg.calibration.telemetry}")
+        print(fit.summary())
     print(format_table(cfg, result))
     for line in ceiling_check(result):
         print(f"WARNING: {line}")

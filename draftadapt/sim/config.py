@@ -109,7 +109,7 @@ class EngineConfig:
     bw_eff: float = 0.8  # share of datasheet HBM bandwidth decode reaches
     flops_eff: float = 0.6  # share of dense peak that decode/verify GEMMs reach
     step_overhead_ms: float = 1.0  # per target forward: scheduling, launch, sampling
-    draft_overhead_ms: float = 0.3  # per draft forward (Eagle-3 runs k of them per step)
+    draft_overhead_ms: float = 0.3  # per draft forward (Eagle-3 runs k per step); n-gram: per step
     verify_overhead_ms: float = 0.2  # per speculative step: rejection sampling, bookkeeping
     allreduce_us: float = 8.0  # latency of one all-reduce inside a replica (2 per layer if tp > 1)
     max_num_seqs: int = 1024  # vLLM max_num_seqs
@@ -234,6 +234,14 @@ class AdaptConfig:
 
 
 @dataclass
+class CalibrationConfig:
+    """Fit the recipe to a real run before simulating (draftadapt.sim.calibrate)."""
+
+    telemetry: str | None = None  # JSON-lines telemetry of the run (see draftadapt.sim.telemetry)
+    free: list[str] | None = None  # dotted fields to fit; None = what the logged stages pin down
+
+
+@dataclass
 class Published:
     """A figure from the paper and the recipe variant that projects it."""
 
@@ -264,6 +272,7 @@ class SimConfig:
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     adapt: AdaptConfig = field(default_factory=AdaptConfig)
+    calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
     sweep_points: int = 9  # acceptance lengths in the speedup curve (plot, --json)
     assumptions: list[str] = field(default_factory=list)  # inputs the paper does not give, stated
     published: list[Published] = field(default_factory=list)

@@ -16,9 +16,11 @@ The pieces, bottom up:
   (log-normal lengths, cut at max_tokens), so the batch shrinks and the late steps are
   small and memory-bound (the long tail); free slots take the next eligible sequence;
 * the pipeline: colocated sync (prepare, gen, logprob, train one after another on all GPUs),
-  split sync (generation GPUs wait for the new policy) and async with bounded staleness
-  (rollouts of step j may come from policy j - max_lag: the next batch fills the slots the
-  tail leaves free, and generation overlaps training);
+  split sync (generation GPUs wait for the new policy) and async with bounded staleness,
+  where generation overlaps training and either a step trains on the next rollouts to
+  finish, at most (max_lag + 1) batches in flight, so the next batch fills the slots the
+  tail leaves free ("finished"), or on its own prompts' rollouts, generated up to max_lag
+  policy versions ahead ("prompts");
 * the run: acceptance drifts down for a frozen draft; adapting restores it at the
   side-trainer's exposed time and a swap pause.
 """
@@ -642,11 +644,3 @@ def simulate(cfg: SimConfig, sweep: bool = True) -> SimResult:
                     point["ceiling"] = step_ceiling(plain.gen_share, float(alpha))
                 curves[mode].append(point)
     return SimResult(name=cfg.name, rows=rows, figures=figures, sweep=curves)
-
-
-def with_overrides(cfg: SimConfig, **sections: dict) -> SimConfig:
-    """A copy of cfg with some fields of some sections replaced (for sweeps and fits)."""
-    out = cfg
-    for section, fields in sections.items():
-        out = replace(out, **{section: replace(getattr(out, section), **fields)})
-    return out

@@ -47,14 +47,14 @@ def plot(result: SimResult, path: str | Path, comparisons: list[Comparison] | No
         curve.plot(xs, [p["e2e_speedup"] for p in points], marker="s", label=f"{mode}: end to end")
         if mode == "sync":
             curve.plot(xs, [p["ceiling"] for p in points], linestyle="--", color="gray",
-                       label="ceiling 1/(R_gen/alpha + 1 - R_gen)")
+                       label="end-to-end ceiling 1/(R_gen/alpha + 1 - R_gen)")
     curve.axhline(1.0, color="black", linewidth=0.5)
     for c in comparisons or []:
-        if "speedup" in c.figure and not c.overrides:
-            mode, _, config = c.figure.split(".")
-            alpha = result.rows[mode][config].accept_length
-            curve.scatter([alpha], [c.published], marker="*", s=120, color="red", zorder=4)
-    curve.scatter([], [], marker="*", s=120, color="red", label="published")
+        alpha = _published_alpha(result, c)
+        if alpha is not None:
+            curve.scatter([alpha], [c.published], marker="*", s=120, zorder=4,
+                          color="red" if c.gated else "none", edgecolors="red")
+    curve.scatter([], [], marker="*", s=120, color="red", label="published (hollow: not gated)")
     curve.set_xlabel("acceptance length (tokens per verify step)")
     curve.set_ylabel("speedup over no speculation")
     curve.set_title("speedup against acceptance length")
@@ -66,3 +66,16 @@ def plot(result: SimResult, path: str | Path, comparisons: list[Comparison] | No
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def _published_alpha(result: SimResult, c: Comparison) -> float | None:
+    """Where a published speedup sits on the curve: the recipe's acceptance, or a variant
+    that only changes the acceptance length (other variants, e.g. another k, are off-curve)."""
+    mode, name, config = c.figure.split(".")
+    if "speedup" not in name or mode not in result.sweep:
+        return None
+    if not c.overrides:
+        return result.rows[mode][config].accept_length
+    if len(c.overrides) == 1 and c.overrides[0].startswith("spec.accept_length="):
+        return float(c.overrides[0].split("=", 1)[1])
+    return None

@@ -102,3 +102,15 @@ def test_reproduce_script_fails_when_a_figure_is_off(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "sim_reproduce.py"), str(recipe)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1 and "OFF" in proc.stdout
+
+
+def test_simulate_calibrates_to_telemetry_first(capsys):
+    sample = ROOT / "recipes" / "sim_telemetry_sample.jsonl"
+    recipe = str(ROOT / "recipes" / "sim_qwen3_8b_think_sync.yaml")
+    assert run(recipe, [f"calibration.telemetry={sample}", "workload.sigma=0.7"], json_out=True) == 0
+    data = json.loads(capsys.readouterr().out)
+    fit = data["calibration"]
+    assert fit["start"]["workload.sigma"] == 0.7
+    assert fit["params"]["workload.sigma"] == pytest.approx(1.189, rel=0.05)  # the sample's truth
+    assert fit["rms_rel_err"] < 0.03 and set(fit["rms_rel_err_by_stage"]) >= {"gen_s", "train_s"}
+    assert run(recipe, ["calibration.telemetry=missing.jsonl"]) == 2
