@@ -251,14 +251,19 @@ class RolloutEngine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        params = SamplingParams(
-            temperature=temperature,
-            top_p=top_p,
-            max_tokens=max_tokens,
-            seed=seed,
-            logprobs=0 if logprobs else None,
-            stop_token_ids=stop_token_ids,
-        )
+        # One seed per request (seed + i): reproducible, yet independent draws. A single shared
+        # seed would make every request with the same prompt sample the same sequence.
+        params = [
+            SamplingParams(
+                temperature=temperature,
+                top_p=top_p,
+                max_tokens=max_tokens,
+                seed=None if seed is None else seed + i,
+                logprobs=0 if logprobs else None,
+                stop_token_ids=stop_token_ids,
+            )
+            for i in range(len(prompts))
+        ]
         inputs = [p if isinstance(p, str) else TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
         before = self.spec_counters()
         t0 = time.perf_counter()
