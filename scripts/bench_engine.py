@@ -1,0 +1,117 @@
+"""Engine benchmark: in-place draft swap latency and tokens/s with and without speculation.
+
+    .venv/bin/python scripts/bench_engine.py --toy DIR [--draft DIR] [--swaps 50] [--json]
+
+Prints swap latency p50/p95 over ``--swaps`` swaps of the toy Eagle-3 head (goal: p95 < 50 ms),
+then tokens/s at temperature 1 on the toy target's held-out prompts: plain, and with the draft
+(a fresh head from `draft init` unless ``--draft`` names a trained one), plus the measured
+acceptance length. Ratios come from one run on one machine; the two engines run one after the
+other, never at the same time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from tqdm import tqdm
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--toy", default=None, help="toy target dir (built into a temp dir if absent)")
+    ap.add_argument("--draft", default=None, help="Eagle-3 draft dir to measure (default: fresh head)")
+    ap.add_argument("--swaps", type=int, default=50)
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=3, help="timed generate rounds per engine")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+
+    from draftadapt.drafts.formats import META_FILE
+    from draftadapt.drafts.init import init_draft
+    from draftadapt.engine.rollout import RolloutEngine, median, percentile
+    from draftadapt.toy.task import load_heldout
+
+    work = Path(tempfile.mkdtemp(prefix="draftadapt-bench-"))
+    toy = Path(args.toy) if args.toy else None
+    if toy is None:
+        from draftadapt.toy.build import build
+
+        toy = work / "toy"
+        build(str(toy))
+    prompts = [p["prompt"] for p in load_heldout(toy / "heldout.jsonl")][: args.prompts]
+
+    draft = Path(args.draft) if args.draft else init_draft(toy, "eagle3", work / "v0", seed=0)
+    # a second version with other weights and the same shapes, to alternate with
+    alt = work / "alt"
+    shutil.copytree(draft, alt)
+    from safetensors.torch import load_file, save_file
+
+    from draftadapt.drafts.formats import file_sha256
+
+    sd = load_file(str(alt / "model.safetensors"))
+    sd = {k: (v * 1.01 if v.is_floating_point() else v) for k, v in sd.items()}
+    save_file(sd, str(alt / "model.safetensors"))
+    meta = json.loads((alt / META_FILE).read_text())
+    meta.update(version=int(meta.get("version") or 0) + 1, sha256=file_sha256(alt / "model.safetensors"))
+    (alt / META_FILE).write_text(json.dumps(meta))
+
+    results: dict = {"k": args.k, "prompts": len(prompts), "max_tokens": args.max_tokens}
+
+    def timed(engine) -> tuple[float, object]:
+        engine.generate(prompts[:8], temperature=1.0, max_tokens=16, seed=0)  # warm up
+        tok, sec, spec = 0, 0.0, None
+        for r in range(args.rounds):
+            res = engine.generate(prompts, temperature=1.0, max_tokens=args.max_tokens, seed=1000 * r)
+            tok += res.num_tokens
+            sec += res.seconds
+            spec = res.spec if spec is None else spec + res.spec
+        return tok / sec, spec
+
+    eng = RolloutEngine(toy, draft, method="eagle3", num_speculative_tokens=args.k)
+    try:
+        ms = []
+        checks = set()
+        for i in tqdm(range(args.swaps), desc="swaps", file=sys.stderr):
+            res = eng.swap_draft(alt if i % 2 == 0 else draft)
+            ms.append(res.ms)
+            checks.add(res.checksum)
+        results["swap_ms_p50"] = round(median(ms), 2)
+        results["swap_ms_p95"] = round(percentile(ms, 95), 2)
+        results["swap_distinct_checksums"] = len(checks)
+        eng.swap_draft(draft)
+        tps_spec, spec = timed(eng)
+        results["tokens_per_s_spec"] = round(tps_spec, 1)
+        results["acceptance_length"] = round(spec.acceptance_length, 3)
+        results["per_position_acceptance"] = [round(x, 3) for x in spec.per_position_rate]
+    finally:
+        eng.close()
+    plain = RolloutEngine(toy, None)
+    try:
+        tps_plain, _ = timed(plain)
+    finally:
+        plain.close()
+    results["tokens_per_s_plain"] = round(tps_plain, 1)
+    results["speedup"] = round(tps_spec / tps_plain, 3)
+    shutil.rmtree(work, ignore_errors=True)
+
+    if args.json:
+        print(json.dumps(results))
+    else:
+        print(f"swap latency over {args.swaps} swaps: p50 {results['swap_ms_p50']} ms, "
+              f"p95 {results['swap_ms_p95']} ms (goal p95 < 50 ms)")
+        print(f"tokens/s at T=1: plain {results['tokens_per_s_plain']}, speculative "
+              f"{results['tokens_per_s_spec']} (x{results['speedup']}), acceptance length "
+              f"{results['acceptance_length']} {results['per_position_acceptance']}")
+        print(json.dumps(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
