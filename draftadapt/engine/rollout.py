@@ -220,6 +220,9 @@ class RolloutEngine:
         self.tokenizer = self.llm.get_tokenizer()
         self._draft_version = meta.get("version")
         self._draft_sha = meta.get("sha256")
+        # The policy version the engine serves; drafts trained on a newer policy are never
+        # swapped in (asynchronous RL). The caller sets it with update_policy(..., version=).
+        self.policy_version = 0
         if draft is not None:
             # Record what serves now so the first swap has a checksum to compare against.
             state = self._rpc("da_draft_state")
@@ -334,7 +337,7 @@ class RolloutEngine:
 
     # ------------------------------------------------------------------ policy update
 
-    def update_policy(self, weights: str | Path | dict[str, torch.Tensor]) -> dict[str, Any]:
+    def update_policy(self, weights: str | Path | dict[str, torch.Tensor], version: int | None = None) -> dict[str, Any]:
         """Load new policy (target) weights in place and reset the prefix cache.
 
         ``weights``: a safetensors file of HF-named tensors, or such a state dict (written to a
@@ -358,6 +361,8 @@ class RolloutEngine:
             if tmp is not None:
                 Path(tmp).unlink(missing_ok=True)
         self.llm.reset_prefix_cache()
+        if version is not None:
+            self.policy_version = version
         result["ms"] = (time.perf_counter() - t0) * 1e3
         if self.draft_dir is not None:
             result["draft"] = self.draft_state()

@@ -1,0 +1,363 @@
+"""DraftAdapter: the library API an RL loop calls to keep its draft aligned with the policy.
+
+    adapter = DraftAdapter(policy_dir, draft_dir, out_dir, AdapterConfig())
+    for step in rl_steps:
+        result = engine.generate(prompts, ...)                   # rollouts from the live draft
+        ... policy update ...
+        engine.update_policy(weights, version=v)                 # the RL run's own weight sync
+        adapter.check_integrity(engine)                          # the draft survived the sync
+        adapter.observe(result.rollouts, policy_version=v - 1)   # what the policy sampled
+        adapter.update_policy(weights, version=v)                # the adapter's own HF copy
+        if adapter.step()["adapt/published"]:                    # train -> validate -> publish
+            adapter.swap(engine)                                 # in place, milliseconds
+
+observe -> train (TTT unroll, forward KL to the current policy) -> validate on held-out rollouts
+of the newest policy version -> publish (atomic, versioned) -> swap (never a draft trained on a
+newer policy than the engine serves).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import torch
+
+from draftadapt.capture.hidden import CapturedBatch, TargetCapture
+from draftadapt.config import ConfigError
+from draftadapt.data.replay import ReplayBuffer
+from draftadapt.data.sequences import Sequence as TokenSeq
+from draftadapt.data.sequences import collate
+from draftadapt.data.store import DraftStore
+from draftadapt.drafts.formats import META_FILE, detect_format, read_hf_config
+from draftadapt.train.trainer import DraftTrainer, TrainConfig, score_draft
+
+
+@dataclass
+class ScheduleConfig:
+    every_n_steps: int = 1  # train after every N observed RL steps; 0 = only when drift triggers
+    # Also train when the acceptance (measured in the engine, or simulated on the newest
+    # rollouts) fell by this fraction since the last publish; 0 disables the trigger.
+    drift_fraction: float = 0.05
+    train_steps: int = 12  # optimizer steps per adaptation round
+    min_sequences: int = 16  # do not train on fewer buffered sequences than this
+
+    def validate(self) -> None:
+        if self.every_n_steps < 0 or self.train_steps < 1 or not 0 <= self.drift_fraction < 1:
+            raise ConfigError(
+                "schedule: every_n_steps >= 0, train_steps >= 1 and 0 <= drift_fraction < 1 "
+                f"(got {self.every_n_steps}, {self.train_steps}, {self.drift_fraction})"
+            )
+
+
+@dataclass
+class ValidateConfig:
+    # A candidate is published unless its simulated acceptance length on held-out rollouts of the
+    # newest policy is below the live draft's by more than this fraction.
+    margin: float = 0.01
+    heldout_fraction: float = 0.25  # of the newest version's rollouts, never trained on
+    max_heldout: int = 64  # sequences
+
+    def validate(self) -> None:
+        if not 0 <= self.margin < 1 or not 0 < self.heldout_fraction < 1:
+            raise ConfigError(f"validate: margin in [0,1) and heldout_fraction in (0,1); got {self.margin}, {self.heldout_fraction}")
+
+
+@dataclass
+class AdapterConfig:
+    method: str = "eagle3"  # eagle3 | draft_model (must match the draft directory)
+    k: int = 3  # speculative tokens the engine drafts (for the simulated acceptance)
+    temperature: float = 1.0  # the engine's sampling temperature (the target distribution to match)
+    replay_max_tokens: int = 200_000  # bound of the replay buffer in tokens
+    replay_max_bytes: int = 512 << 20  # and in bytes (handed-over hidden states count)
+    recency_decay: float = 0.5  # sampling weight of a sequence = decay ** (newest version - its version)
+    batch_size: int = 32  # sequences per capture / optimizer step
+    seed: int = 0
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    validate_cfg: ValidateConfig = field(default_factory=ValidateConfig)
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(lr=1e-3, warmup_steps=0, schedule="constant"))
+
+    def validate(self) -> None:
+        if self.method not in ("eagle3", "draft_model"):
+            raise ConfigError(f"adapter.method {self.method!r}: use eagle3 or draft_model")
+        if self.k < 1 or self.temperature <= 0:
+            raise ConfigError(f"adapter.k >= 1 and adapter.temperature > 0 (got {self.k}, {self.temperature})")
+
+
+def _as_token_seqs(rollouts: Iterable[Any]) -> list[TokenSeq]:
+    """Rollouts as (prompt ids, response ids): engine Rollouts, spool records, pairs or dicts."""
+    out = []
+    for r in rollouts:
+        if hasattr(r, "prompt_token_ids"):
+            out.append(TokenSeq(list(r.prompt_token_ids), list(r.token_ids)))
+        elif hasattr(r, "prompt_ids"):
+            out.append(TokenSeq(list(r.prompt_ids), list(r.response_ids)))
+        elif isinstance(r, dict):
+            out.append(TokenSeq(list(r["prompt_ids"]), list(r["response_ids"])))
+        else:
+            p, c = r
+            out.append(TokenSeq(list(p), list(c)))
+    for s in out:
+        if not s.response_ids:
+            continue
+        if not s.prompt_ids:
+            raise ValueError("a rollout has no prompt tokens; pass the prompt ids the engine was given")
+    return [s for s in out if s.response_ids]
+
+
+def _load_policy(path_or_dir: str | Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path_or_dir), torch_dtype=torch.float32)
+
+
+def _load_draft(draft_dir: Path, target_dir: Path, method: str):
+    from draftadapt.drafts.formats import load_eagle3
+    from draftadapt.drafts.small_lm import load_small_lm
+
+    fmt = detect_format(read_hf_config(draft_dir))
+    if method == "eagle3":
+        if fmt == "hf":
+            raise ConfigError(f"{draft_dir} is a draft LM; set adapter.method=draft_model")
+        return load_eagle3(draft_dir, target_dir), fmt
+    if fmt != "hf":
+        raise ConfigError(f"{draft_dir} is an Eagle-3 head; set adapter.method=eagle3")
+    return load_small_lm(draft_dir), fmt
+
+
+class DraftAdapter:
+    """Observe rollouts, train the draft against the current policy, validate, publish, swap."""
+
+    def __init__(self, policy_dir: str | Path, draft_dir: str | Path, out_dir: str | Path,
+                 cfg: AdapterConfig | None = None, logger=None, policy_version: int = 0):
+        self.cfg = cfg or AdapterConfig()
+        self.cfg.validate()
+        self.policy_dir = Path(policy_dir)
+        self.logger = logger
+        self.policy = _load_policy(self.policy_dir)
+        self.policy.eval()
+        self.policy_version = policy_version
+        draft, self.format = _load_draft(Path(draft_dir), self.policy_dir, self.cfg.method)
+        self._template_meta = json.loads((Path(draft_dir) / META_FILE).read_text()) if (Path(draft_dir) / META_FILE).is_file() else {}
+        pad = self.policy.config.pad_token_id
+        self.pad_id = 0 if pad is None else int(pad)
+        self.trainer = DraftTrainer(draft, self.cfg.method, self.cfg.train, pad_id=self.pad_id)
+        aux = list(draft.cfg.aux_layer_ids) if self.cfg.method == "eagle3" else None
+        vocab = None
+        if self.cfg.method == "eagle3":
+            from draftadapt.drafts.vocab import draft_to_target_ids
+
+            vocab = draft_to_target_ids(draft.d2t)
+        self.capture = TargetCapture(self.policy, aux, vocab, temperature=self.cfg.temperature)
+        self.replay = ReplayBuffer(self.cfg.replay_max_tokens, self.cfg.replay_max_bytes, self.cfg.recency_decay)
+        self.store = DraftStore(out_dir)
+        self.rng = random.Random(self.cfg.seed)
+        self._steps_since_train = 0
+        self._live_score: float | None = None  # simulated length of the last published draft
+        self._drift_ref: float | None = None  # acceptance at the last publish (drift trigger)
+        self._measured: float | None = None
+        self._expected_checksum: dict[int, str] = {}  # id(engine) -> checksum we swapped in
+        self._last_metrics: dict[str, float] = {}
+        latest = self.store.latest()
+        if latest is None:
+            # the starting draft is version 0 of this run: what the engine serves before any swap
+            self._publish_module(self.trainer.export_draft(), policy_version)
+
+    # ------------------------------------------------------------------ inputs
+
+    def observe(self, rollouts: Iterable[Any], policy_version: int,
+                hidden_states: Sequence[torch.Tensor] | None = None) -> int:
+        """Add one RL step's rollouts, sampled from policy ``policy_version``; returns how many.
+
+        ``hidden_states`` (optional, one [len(prompt)+len(response), num_aux*H] tensor per rollout):
+        the aux hidden states the RL trainer already computed in its logprob pass. They are used
+        instead of recomputing them while the adapter's policy is at that same version.
+        """
+        seqs = _as_token_seqs(rollouts)
+        if hidden_states is not None:
+            hidden_states = list(hidden_states)
+            if len(hidden_states) != len(seqs):
+                raise ValueError(f"observe: {len(hidden_states)} hidden-state tensors for {len(seqs)} rollouts")
+        for i, s in enumerate(seqs):
+            extra = None
+            if hidden_states is not None:
+                h = hidden_states[i]
+                if h.shape[0] != len(s):
+                    raise ValueError(f"observe: hidden states of rollout {i} cover {h.shape[0]} tokens, the rollout has {len(s)}")
+                extra = {"aux": h.detach().to(torch.bfloat16).cpu()}
+            self.replay.add(s.prompt_ids, s.response_ids, policy_version, extra)
+        self._steps_since_train += 1
+        return len(seqs)
+
+    def update_policy(self, weights_or_path: str | Path | dict[str, torch.Tensor], version: int) -> None:
+        """Load the policy's new weights into the adapter's own HF copy (a dir, a file or a state dict)."""
+        if version < self.policy_version:
+            raise ValueError(f"policy version {version} is older than the adapter's {self.policy_version}")
+        if isinstance(weights_or_path, dict):
+            sd = weights_or_path
+        else:
+            p = Path(weights_or_path)
+            from safetensors.torch import load_file
+
+            files = sorted(p.glob("*.safetensors")) if p.is_dir() else [p]
+            if not files:
+                raise FileNotFoundError(f"no *.safetensors policy weights in {p}")
+            sd = {}
+            for f in files:
+                sd.update(load_file(str(f)))
+        missing, unexpected = self.policy.load_state_dict(sd, strict=False)
+        if unexpected or [m for m in missing if "rotary" not in m]:
+            raise ValueError(
+                f"policy weights do not fit the adapter's copy of {self.policy_dir}: missing "
+                f"{missing[:4]}, unexpected {unexpected[:4]}; pass the HF state dict of the same architecture"
+            )
+        self.policy_version = version
+
+    def report_measured(self, acceptance_length: float) -> None:
+        """The acceptance length the engine measured for the live draft (feeds the drift trigger)."""
+        self._measured = float(acceptance_length)
+
+    # ------------------------------------------------------------------ capture
+
+    def _captured(self, seqs: list[tuple[TokenSeq, dict | None, int]]) -> CapturedBatch:
+        batch = collate([s for s, _, _ in seqs], self.pad_id)
+        logp, aux = self.capture(batch["input_ids"], batch["attention_mask"])
+        handed = [e for _, e, _ in seqs]
+        if aux is not None and any(e and "aux" in e for e in handed):
+            for r, ((s, e, v), _) in enumerate(zip(seqs, handed)):
+                if e and "aux" in e and v == self.policy_version:
+                    aux[r, : len(s)] = e["aux"].to(aux.dtype)
+        return CapturedBatch(batch["input_ids"], batch["attention_mask"], batch["loss_mask"], logp, aux)
+
+    def _batches(self, items: list, size: int) -> Iterable[CapturedBatch]:
+        for i in range(0, len(items), size):
+            yield self._captured(items[i : i + size])
+
+    def score(self, module, items: list) -> float:
+        """Simulated acceptance length (vLLM's greedy drafting, k tokens) on captured ``items``."""
+        visited, _ = score_draft(module, self._batches(items, self.cfg.batch_size), self.cfg.k)
+        return visited.length
+
+    # ------------------------------------------------------------------ the loop
+
+    def _due(self) -> tuple[bool, str]:
+        s = self.cfg.schedule
+        if len(self.replay) < s.min_sequences:
+            return False, "too_few_sequences"
+        if s.every_n_steps and self._steps_since_train >= s.every_n_steps:
+            return True, "schedule"
+        if s.drift_fraction and self._drift_ref is not None:
+            now = self._measured if self._measured is not None else self._live_score
+            if now is not None and now < self._drift_ref * (1 - s.drift_fraction):
+                return True, "drift"
+        return False, "not_due"
+
+    def step(self, force: bool = False) -> dict[str, float]:
+        """Train if the schedule says so, validate, and publish a better draft. Returns metrics."""
+        due, why = self._due()
+        metrics: dict[str, float] = {"adapt/trained": 0.0, "adapt/published": 0.0, "adapt/rejected": 0.0}
+        if not (due or force and len(self.replay) > 0):
+            metrics["adapt/skipped"] = 1.0
+            return metrics
+        t0 = time.perf_counter()
+        heldout, train = self.replay.split_recent(self.cfg.validate_cfg.heldout_fraction,
+                                                  self.cfg.validate_cfg.max_heldout, self.rng)
+        live = self._live_score
+        if live is None:
+            live = self.score(self._live_module(), heldout)
+        n = self.cfg.schedule.train_steps
+        bs = self.cfg.batch_size
+        picks = [self.replay.sample_from(train, bs, self.rng) for _ in range(n)]
+        train_metrics = self.trainer.train_steps((self._captured(p) for p in picks), n=n)
+        candidate = self.score(self.trainer.export_draft(), heldout)
+        metrics.update({k: v for k, v in train_metrics.items() if k.startswith("train/")})
+        metrics.update({
+            "adapt/trained": 1.0,
+            "adapt/trigger_drift": float(why == "drift"),
+            "accept/simulated_length": candidate,
+            "accept/simulated_live": live,
+            "adapt/heldout_seqs": float(len(heldout)),
+        })
+        self._steps_since_train = 0
+        if candidate >= live * (1 - self.cfg.validate_cfg.margin):
+            version = self.publish()
+            metrics["adapt/published"] = 1.0
+            metrics["draft/published_version"] = float(version)
+            self._live_score = candidate
+        else:
+            metrics["adapt/rejected"] = 1.0
+            self._live_score = live
+        metrics["stage/adapt_s"] = time.perf_counter() - t0
+        self._last_metrics = metrics
+        if self.logger is not None:
+            self.logger.log_dict(metrics, step=self.policy_version)
+        return metrics
+
+    def _live_module(self):
+        latest = self.store.latest()
+        return _load_draft(latest.path, self.policy_dir, self.cfg.method)[0]
+
+    def _publish_module(self, module, policy_version: int) -> int:
+        from draftadapt.drafts.formats import export_eagle3
+        from draftadapt.drafts.small_lm import export_small_lm
+
+        meta = {"policy_version": int(policy_version)}
+
+        def write(tmp: Path, version: int) -> None:
+            m = {**meta, "version": version}
+            if self.cfg.method == "eagle3":
+                fmt = self.format if self.format in ("speculators", "eagle") else "speculators"
+                export_eagle3(module, tmp, self.policy_dir, fmt=fmt, num_speculative_tokens=self.cfg.k, meta=m)
+            else:
+                export_small_lm(module, tmp, self.policy_dir, meta=m)
+
+        version, _ = self.store.publish(write, policy_version=int(policy_version))
+        self._drift_ref = self._measured if self._measured is not None else self._live_score
+        return version
+
+    def publish(self) -> int:
+        """Write the trainer's current draft as a new version (atomic), tagged with the policy version."""
+        return self._publish_module(self.trainer.export_draft(), self.policy_version)
+
+    # ------------------------------------------------------------------ engine side
+
+    def swap(self, engine) -> Any:
+        """Put the newest published draft the engine may serve into it, in place.
+
+        Never a draft trained on a newer policy than ``engine.policy_version`` (asynchronous RL:
+        the engine may still serve v-1 while the adapter has trained against v).
+        """
+        latest = self.store.latest(max_policy_version=engine.policy_version)
+        if latest is None or latest.version == engine.draft_version:
+            return None
+        res = engine.swap_draft(latest.path)
+        self._expected_checksum[id(engine)] = res.checksum
+        if self.logger is not None:
+            self.logger.log_dict({"swap/ms": res.ms, "draft/version": float(res.version)}, step=self.policy_version)
+        return res
+
+    def check_integrity(self, engine) -> bool:
+        """After a policy update: is the live draft still the one last swapped in? Repair if not.
+
+        Other systems lost their drafts silently on weight sync or sleep/wake (DESIGN.md). Returns
+        True when the draft was intact.
+        """
+        expected = self._expected_checksum.get(id(engine), engine.live_checksum)
+        state = engine.draft_state()
+        if expected is None or state["checksum"] == expected:
+            return True
+        path = engine.draft_dir
+        res = engine.swap_draft(path)
+        self._expected_checksum[id(engine)] = res.checksum
+        if self.logger is not None:
+            self.logger.log_dict({"draft/integrity_repairs": 1.0}, step=self.policy_version)
+        return False
+
+    @property
+    def live_version(self) -> int | None:
+        latest = self.store.latest()
+        return None if latest is None else latest.version

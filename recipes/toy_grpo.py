@@ -1,0 +1,303 @@
+"""The toy GRPO run that plays "an existing RL run", with draftadapt attached through its public API.
+
+    draftadapt demo --out runs/demo            # or: .venv/bin/python recipes/toy_grpo.py --out runs/demo
+
+Builds (or reuses) the toy target and a pretrained Eagle-3 draft, then runs GRPO on the toy task:
+vLLM rollouts with speculation, rewards from the task verifier, policy-gradient updates on an HF
+copy of the policy, the new policy weights loaded in place into the engines every step. At every
+step three arms are measured on the same held-out prompts: no speculation, the frozen pretrained
+draft, and the adapted draft (both drafts in one engine, by in-place swaps). Prints one line per
+step and a summary; writes OUT/summary.json, OUT/acceptance.png, OUT/metrics.jsonl and
+OUT/tb/ (TensorBoard).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from draftadapt.adapter import AdapterConfig, DraftAdapter
+from draftadapt.config import ConfigError, load_config, save_config
+from draftadapt.data.sequences import Sequence, collate
+from draftadapt.engine.rollout import RolloutEngine
+from draftadapt.metrics.logger import make_logger
+from draftadapt.toy import task
+
+RECIPE = Path(__file__).with_suffix(".yaml")
+
+
+@dataclass
+class GRPOConfig:
+    steps: int = 24  # RL steps
+    prompts_per_step: int = 16  # distinct problems per step
+    group_size: int = 4  # samples per problem (GRPO group)
+    max_tokens: int = 96  # response budget
+    temperature: float = 1.0
+    lr: float = 1e-4  # policy learning rate: high enough that the policy visibly drifts
+    # Reward = correct final answer + style_bonus if the completion uses `style`: an answer-style
+    # preference the policy learns, which moves its token distribution (the drift drafts suffer).
+    style: str = "verbose"
+    style_bonus: float = 0.5
+    kl_coef: float = 0.0  # no reference-KL: the policy is free to move
+
+
+@dataclass
+class EvalConfig:
+    prompts: int = 32  # held-out prompts every arm generates on, every step
+    max_tokens: int = 96
+    seed: int = 1234
+
+
+@dataclass
+class DemoConfig:
+    out: str = "runs/demo"
+    toy: str | None = None  # reuse a built toy target (default: OUT/toy, built once)
+    draft: str | None = None  # reuse a pretrained draft (default: OUT/draft0, pretrained once)
+    seed: int = 0
+    k: int = 3
+    engine_threads: int = 2
+    pretrain_recipe: str = "recipes/pretrain_eagle3_toy.yaml"
+    final_fresh_steps: int = 0  # >0: also pretrain a fresh draft on the final policy (the 95% bar)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    adapter: AdapterConfig = field(default_factory=AdapterConfig)
+
+
+def sequence_logprobs(policy, seqs: list[Sequence], pad_id: int) -> torch.Tensor:
+    """Sum of log p_policy(response tokens) per sequence: [B], with gradients."""
+    batch = collate(seqs, pad_id)
+    logits = policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    logp = torch.log_softmax(logits.float(), dim=-1)[:, :-1]  # slot u predicts token u+1
+    tok = batch["input_ids"][:, 1:]
+    lp = logp.gather(-1, tok[..., None]).squeeze(-1)  # [B, T-1]
+    return (lp * batch["loss_mask"][:, :-1]).sum(-1)
+
+
+def grpo_update(policy, opt, problems, rollouts, cfg: GRPOConfig, pad_id: int) -> dict:
+    """One on-policy GRPO step: group-normalised advantages, REINFORCE on the sampled tokens."""
+    rewards = []
+    for prob, r in zip(problems, rollouts):
+        rew = task.reward(prob, r.text)
+        if cfg.style_bonus and task.style_of(r.text) == cfg.style:
+            rew += cfg.style_bonus
+        rewards.append(rew)
+    R = torch.tensor(rewards).view(-1, cfg.group_size)  # [P, G]
+    adv = ((R - R.mean(1, keepdim=True)) / (R.std(1, keepdim=True) + 1e-4)).view(-1)
+    seqs = [Sequence(list(r.prompt_token_ids), list(r.token_ids)) for r in rollouts]
+    lengths = torch.tensor([max(1, len(r.token_ids)) for r in rollouts], dtype=torch.float32)
+    policy.train()
+    opt.zero_grad(set_to_none=True)
+    lp = sequence_logprobs(policy, seqs, pad_id)
+    loss = -(adv * lp / lengths).mean()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+    opt.step()
+    policy.eval()
+    correct = [task.reward(p, r.text) for p, r in zip(problems, rollouts)]
+    styled = [task.style_of(r.text) == cfg.style for r in rollouts]
+    return {"rl/reward": float(R.mean()), "rl/accuracy": sum(correct) / len(correct),
+            "rl/style_frac": sum(styled) / len(styled), "rl/loss": float(loss)}
+
+
+def prepare_world(cfg: DemoConfig, out: Path) -> tuple[Path, Path]:
+    """The toy target and a draft pretrained on it (built once; reused from OUT on a rerun)."""
+    toy = Path(cfg.toy) if cfg.toy else out / "toy"
+    if not (toy / "heldout.jsonl").is_file():
+        from draftadapt.toy.build import build
+
+        print(f"[demo] building the toy target into {toy} (a few minutes, once)", flush=True)
+        print(json.dumps(build(str(toy), seed=cfg.seed)), flush=True)
+    draft = Path(cfg.draft) if cfg.draft else out / "draft0"
+    if not (draft / "draftadapt.json").is_file():
+        from draftadapt.pretrain import PretrainConfig, pretrain
+
+        print(f"[demo] pretraining the Eagle-3 draft into {draft} (a few minutes, once)", flush=True)
+        pretrain(load_config(PretrainConfig, cfg.pretrain_recipe, [f"target={toy}", f"out={draft}"]))
+    return toy, draft
+
+
+def measure(engine: RolloutEngine, prompts: list[str], cfg: DemoConfig) -> dict:
+    res = engine.generate(prompts, temperature=cfg.grpo.temperature, max_tokens=cfg.eval.max_tokens,
+                          seed=cfg.eval.seed)
+    out = {"tokens_per_s": res.tokens_per_s, "tokens": res.num_tokens}
+    if res.spec.drafts:
+        out["acceptance_length"] = res.spec.acceptance_length
+        out["per_position"] = res.spec.per_position_rate
+    return out
+
+
+def run(cfg: DemoConfig) -> dict:
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, out / "config.yaml")
+    torch.manual_seed(cfg.seed)
+    rng = random.Random(cfg.seed)
+    toy, draft0 = prepare_world(cfg, out)
+
+    # ---- setup: the "existing RL run" (policy + engines) and draftadapt beside it
+    from transformers import AutoModelForCausalLM
+
+    policy = AutoModelForCausalLM.from_pretrained(str(toy), torch_dtype=torch.float32)
+    policy.eval()
+    pad_id = int(policy.config.pad_token_id or 0)
+    opt = torch.optim.AdamW(policy.parameters(), lr=cfg.grpo.lr, betas=(0.9, 0.99))
+    logger = make_logger(["tensorboard", "jsonl"], out)
+    adapter = DraftAdapter(toy, draft0, out / "drafts", cfg.adapter, logger=logger)
+    spec = RolloutEngine(toy, draft0, method="eagle3", num_speculative_tokens=cfg.k,
+                         threads=cfg.engine_threads, seed=cfg.seed)
+    plain = RolloutEngine(toy, None, threads=cfg.engine_threads, seed=cfg.seed)
+    eval_prompts = [p["prompt"] for p in task.load_heldout(toy)[: cfg.eval.prompts]]
+    history: list[dict] = []
+    arms = {"plain": [], "frozen": [], "adapted": []}
+    t_start = time.perf_counter()
+
+    try:
+        for step in range(cfg.grpo.steps):
+            row: dict = {"step": step}
+            # 1. rollouts from the live (adapted) draft: speculation changes nothing they contain
+            problems = [p for p in task.sample_problems(cfg.grpo.prompts_per_step, rng.randrange(1 << 30))
+                        for _ in range(cfg.grpo.group_size)]
+            t0 = time.perf_counter()
+            gen = spec.generate([p["prompt"] for p in problems], temperature=cfg.grpo.temperature,
+                                max_tokens=cfg.grpo.max_tokens, seed=rng.randrange(1 << 30))
+            row["stage/gen_s"] = time.perf_counter() - t0
+            # 2. the policy update (what the RL framework does anyway)
+            t0 = time.perf_counter()
+            row.update(grpo_update(policy, opt, problems, gen.rollouts, cfg.grpo, pad_id))
+            version = step + 1
+            weights = {k: v.detach() for k, v in policy.state_dict().items()}
+            spec.update_policy(weights, version=version)
+            plain.update_policy(weights, version=version)
+            row["stage/train_s"] = time.perf_counter() - t0
+            # 3. draftadapt, through its public API only
+            t0 = time.perf_counter()
+            row["draft/integrity_ok"] = float(adapter.check_integrity(spec))
+            adapter.observe(gen.rollouts, policy_version=version - 1)
+            adapter.update_policy(weights, version=version)
+            row.update(adapter.step())
+            swap = adapter.swap(spec)
+            if swap is not None:
+                row["swap/ms"] = swap.ms
+            row["stage/adapt_s"] = time.perf_counter() - t0
+            row["draft/version"] = float(spec.draft_version or 0)
+            # 4. the three arms on the same prompts, same policy
+            m_plain = measure(plain, eval_prompts, cfg)
+            adapted_dir = spec.draft_dir
+            spec.swap_draft(draft0)
+            m_frozen = measure(spec, eval_prompts, cfg)
+            spec.swap_draft(adapted_dir)
+            m_adapted = measure(spec, eval_prompts, cfg)
+            adapter.report_measured(m_adapted["acceptance_length"])
+            for name, m in (("plain", m_plain), ("frozen", m_frozen), ("adapted", m_adapted)):
+                arms[name].append(m)
+            row.update({
+                "accept/length": m_adapted["acceptance_length"],
+                "accept/frozen_length": m_frozen["acceptance_length"],
+                **{f"accept/pos_{i}": r for i, r in enumerate(m_adapted["per_position"])},
+                "tps/plain": m_plain["tokens_per_s"], "tps/frozen": m_frozen["tokens_per_s"],
+                "tps/adapted": m_adapted["tokens_per_s"],
+                "draft/age_policy_versions": float(version - adapter.store.latest().policy_version),
+            })
+            logger.log_dict({k: v for k, v in row.items() if isinstance(v, float)}, step=step)
+            history.append(row)
+            print(f"[demo] step {step + 1:3d}/{cfg.grpo.steps} reward {row['rl/reward']:.3f} "
+                  f"acc {row['rl/accuracy']:.2f} style {row['rl/style_frac']:.2f} | accept frozen "
+                  f"{m_frozen['acceptance_length']:.2f} adapted {m_adapted['acceptance_length']:.2f} | "
+                  f"tok/s plain {m_plain['tokens_per_s']:.0f} adapted {m_adapted['tokens_per_s']:.0f} "
+                  f"| draft v{int(row['draft/version'])}", flush=True)
+    finally:
+        spec.close()
+        plain.close()
+        logger.close()
+
+    summary = summarize(cfg, history, arms, time.perf_counter() - t_start)
+    policy.save_pretrained(str(out / "final_policy"))
+    from draftadapt.toy.tokenizer import build_tokenizer
+
+    build_tokenizer().save_pretrained(str(out / "final_policy"))
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    plot(history, out / "acceptance.png")
+    return summary
+
+
+def summarize(cfg: DemoConfig, history: list[dict], arms: dict, seconds: float) -> dict:
+    n = len(history)
+    last = max(1, n // 3)
+
+    def mean(xs):
+        return sum(xs) / len(xs) if xs else float("nan")
+
+    s = {"steps": n, "seconds": seconds, "reward_per_step": [h["rl/reward"] for h in history],
+         "accuracy_per_step": [h["rl/accuracy"] for h in history], "arms": {}}
+    for name, ms in arms.items():
+        s["arms"][name] = {
+            "acceptance_length_per_step": [m.get("acceptance_length") for m in ms],
+            "mean_tokens_per_s": mean([m["tokens_per_s"] for m in ms]),
+            "last_third_acceptance": mean([m["acceptance_length"] for m in ms[-last:]]) if name != "plain" else None,
+            "last_third_tokens_per_s": mean([m["tokens_per_s"] for m in ms[-last:]]),
+        }
+    a, f, p = s["arms"]["adapted"], s["arms"]["frozen"], s["arms"]["plain"]
+    s["last_third"] = {
+        "adapted_over_frozen_acceptance": a["last_third_acceptance"] / f["last_third_acceptance"],
+        "adapted_over_plain_tokens_per_s": a["last_third_tokens_per_s"] / p["last_third_tokens_per_s"],
+    }
+    return s
+
+
+def plot(history: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [h["step"] + 1 for h in history]
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    ax[0].plot(steps, [h["accept/length"] for h in history], "o-", label="adapted draft")
+    ax[0].plot(steps, [h["accept/frozen_length"] for h in history], "s-", label="frozen pretrained draft")
+    ax[0].axhline(1.0, color="gray", ls=":", label="no speculation")
+    ax[0].set_xlabel("RL step")
+    ax[0].set_ylabel("acceptance length (k=3, measured in vLLM)")
+    ax[0].legend()
+    ax[1].plot(steps, [h["rl/reward"] for h in history], "o-", color="C2")
+    ax[1].set_xlabel("RL step")
+    ax[1].set_ylabel("mean reward")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--toy", default=None)
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args(argv)
+    overrides = list(args.overrides)
+    for key, val in (("out", args.out), ("grpo.steps", args.steps), ("seed", args.seed), ("toy", args.toy)):
+        if val is not None:
+            overrides.append(f"{key}={val}")
+    try:
+        cfg = load_config(DemoConfig, RECIPE if RECIPE.is_file() else None, overrides)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    summary = run(cfg)
+    lt = summary["last_third"]
+    print(json.dumps({"steps": summary["steps"], "seconds": round(summary["seconds"], 1),
+                      "adapted_over_frozen_acceptance": round(lt["adapted_over_frozen_acceptance"], 3),
+                      "adapted_over_plain_tokens_per_s": round(lt["adapted_over_plain_tokens_per_s"], 3),
+                      "out": cfg.out}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
