@@ -1,0 +1,313 @@
+"""Replay buffer of rollout sequences, tagged by the policy version that sampled them.
+
+    buf = ReplayBuffer(max_tokens=2_000_000, max_bytes=8 << 30, recency_decay=0.5, holdout_fraction=0.1)
+    for shard in reader.poll(cursor):
+        buf.add_shard(shard)
+    batch = buf.sample(n_tokens=16_384, rng=rng)   # newer policy versions weigh more
+    val = buf.heldout()                             # newest version's held-out sequences
+
+Bounds: ``max_tokens`` (token ids held) and ``max_bytes`` (tensor payload: 4 bytes per token id
+plus every per-sequence tensor, e.g. aux hidden states; Python object overhead is not counted).
+Over a bound, the oldest sequences go first: lowest policy version, then earliest added.
+
+Recency: a sequence of version v is drawn with weight ``recency_decay ** (newest - v)``: the
+policy drifts, so old rollouts describe a distribution the draft no longer has to match
+(0.5 halves the weight per version; 0 uses the newest version only; 1 is uniform).
+
+Validation: with ``holdout_fraction`` f > 0, a deterministic f of each version's sequences (the
+1st, then about every 1/f-th added) is held out. ``heldout()`` returns those of the newest
+version and ``sample()`` never returns them; once a newer version arrives they become training
+data like the rest (validation always measures against the newest policy).
+
+Not thread-safe. After a crash, rebuild it from the spool (the shards are kept until pruned), or
+save ``state_dict()`` with torch.save and restore it with ``load_state_dict``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from draftadapt.data.sequences import Sequence as TokenSequence
+
+if TYPE_CHECKING:
+    from draftadapt.data.spool import RolloutShard
+
+
+@dataclass
+class ReplayItem:
+    uid: int  # insertion order, unique in this buffer
+    policy_version: int
+    token_ids: torch.Tensor  # [T] int32, prompt + response
+    prompt_len: int
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # per sequence, e.g. aux_hidden [T, D]
+    source: str | None = None  # where it came from, e.g. "<shard name>#<index>"
+    holdout: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.numel())
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.token_ids) + sum(_nbytes(t) for t in self.tensors.values())
+
+    def sequence(self) -> TokenSequence:
+        ids = self.token_ids.tolist()
+        return TokenSequence(ids[: self.prompt_len], ids[self.prompt_len :])
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """A view into a bigger tensor would keep all of it alive and make the byte count a lie."""
+    t = t.detach()
+    if t.untyped_storage().nbytes() > _nbytes(t) or not t.is_contiguous():
+        t = t.contiguous().clone()
+    return t
+
+
+class ReplayBuffer:
+    def __init__(
+        self,
+        max_tokens: int,
+        max_bytes: int | None = None,
+        recency_decay: float = 0.5,
+        holdout_fraction: float = 0.0,
+    ) -> None:
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        if max_bytes is not None and max_bytes < 1:
+            raise ValueError(f"max_bytes must be >= 1 or None, got {max_bytes}")
+        if not 0.0 <= recency_decay <= 1.0:
+            raise ValueError(f"recency_decay must be in [0, 1], got {recency_decay}")
+        if not 0.0 <= holdout_fraction < 1.0:
+            raise ValueError(f"holdout_fraction must be in [0, 1), got {holdout_fraction}")
+        self.max_tokens = max_tokens
+        self.max_bytes = max_bytes
+        self.recency_decay = recency_decay
+        self.holdout_fraction = holdout_fraction
+        self._by_version: dict[int, deque[ReplayItem]] = {}
+        self._versions: list[int] = []  # sorted keys of _by_version
+        self._added: dict[int, int] = {}  # version -> sequences ever added (holdout positions)
+        self._next_uid = 0
+        self._tokens = 0
+        self._bytes = 0
+        self.evicted_seqs = 0
+        self.evicted_tokens = 0
+
+    # ------------------------------------------------------------------ add / evict
+
+    def add(
+        self,
+        token_ids: Sequence[int] | torch.Tensor,
+        policy_version: int,
+        prompt_len: int = 0,
+        tensors: dict[str, torch.Tensor] | None = None,
+        source: str | None = None,
+    ) -> ReplayItem | None:
+        """Add one sequence; evict the oldest while over a bound. Returns the item, or None if it
+        was itself the oldest and evicted at once (a version older than everything, buffer full)."""
+        if isinstance(policy_version, bool) or not isinstance(policy_version, int) or policy_version < 0:
+            raise ValueError(f"policy_version must be an int >= 0, got {policy_version!r}")
+        ids = torch.as_tensor(token_ids).reshape(-1).to(torch.int32).clone()
+        n = ids.numel()
+        if n == 0:
+            raise ValueError("cannot add an empty sequence")
+        if not 0 <= prompt_len <= n:
+            raise ValueError(f"prompt_len {prompt_len} is outside 0..{n} (the sequence length)")
+        if n > self.max_tokens:
+            raise ValueError(
+                f"a sequence of {n} tokens exceeds the buffer's max_tokens {self.max_tokens}; raise max_tokens"
+            )
+        owned = {k: _own(v) for k, v in (tensors or {}).items()}
+        for k, v in owned.items():
+            if v.dim() == 0 or v.shape[0] != n:
+                raise ValueError(f"tensor {k!r} has shape {tuple(v.shape)}; per-sequence tensors need one row per token ({n})")
+        k = self._added.get(policy_version, 0)
+        item = ReplayItem(self._next_uid, policy_version, ids, prompt_len, owned, source, self._is_holdout(k))
+        if self.max_bytes is not None and item.nbytes > self.max_bytes:
+            raise ValueError(f"a sequence of {item.nbytes} bytes exceeds max_bytes {self.max_bytes}; raise max_bytes")
+        self._added[policy_version] = k + 1
+        self._next_uid += 1
+        if policy_version not in self._by_version:
+            self._by_version[policy_version] = deque()
+            bisect.insort(self._versions, policy_version)
+        self._by_version[policy_version].append(item)
+        self._tokens += n
+        self._bytes += item.nbytes
+        gone = self._evict()
+        return None if item.uid in gone else item
+
+    def add_shard(self, shard: RolloutShard) -> list[ReplayItem]:
+        """Add every sequence of a spool shard (with its aux hidden states if it has them)."""
+        out = []
+        for i, (p, r) in enumerate(zip(shard.prompt_ids, shard.response_ids)):
+            tensors = {"aux_hidden": shard.aux_hidden[i]} if shard.aux_hidden is not None else None
+            item = self.add(p + r, shard.policy_version, len(p), tensors, source=f"{shard.name}#{i}")
+            if item is not None:
+                out.append(item)
+        return out
+
+    def _is_holdout(self, k: int) -> bool:
+        """Positions 0, ~1/f, ~2/f, ...: at least one per version, a fraction f in the long run."""
+        f = self.holdout_fraction
+        if f <= 0:
+            return False
+        eps = 1e-9  # so that k * f landing on an integer does not count twice
+        return math.ceil((k + 1) * f - eps) > math.ceil(k * f - eps)
+
+    def _evict(self) -> set[int]:
+        gone = set()
+        while self._tokens > self.max_tokens or (self.max_bytes is not None and self._bytes > self.max_bytes):
+            v = self._versions[0]
+            q = self._by_version[v]
+            item = q.popleft()
+            if not q:
+                del self._by_version[v]
+                self._versions.pop(0)
+            self._tokens -= item.num_tokens
+            self._bytes -= item.nbytes
+            self.evicted_seqs += 1
+            self.evicted_tokens += item.num_tokens
+            gone.add(item.uid)
+        return gone
+
+    # ------------------------------------------------------------------ read
+
+    def __len__(self) -> int:
+        return sum(len(q) for q in self._by_version.values())
+
+    def __iter__(self) -> Iterator[ReplayItem]:
+        """Items oldest first (by version, then insertion)."""
+        for v in self._versions:
+            yield from self._by_version[v]
+
+    @property
+    def num_tokens(self) -> int:
+        return self._tokens
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+    @property
+    def newest_version(self) -> int | None:
+        return self._versions[-1] if self._versions else None
+
+    def version_counts(self) -> dict[int, int]:
+        """policy version -> sequences held."""
+        return {v: len(self._by_version[v]) for v in self._versions}
+
+    def weight(self, policy_version: int) -> float:
+        """Sampling weight of one sequence of ``policy_version``: decay ** (newest - version)."""
+        newest = self.newest_version
+        if newest is None:
+            return 0.0
+        return float(self.recency_decay ** (newest - policy_version))
+
+    def heldout(self) -> list[ReplayItem]:
+        """The newest version's held-out sequences (never returned by :meth:`sample`)."""
+        v = self.newest_version
+        return [] if v is None else [it for it in self._by_version[v] if it.holdout]
+
+    def sample(
+        self,
+        n_seqs: int | None = None,
+        n_tokens: int | None = None,
+        rng: np.random.Generator | int | None = None,
+    ) -> list[ReplayItem]:
+        """Draw without replacement, each sequence weighted ``decay ** (newest - version)``.
+
+        Give ``n_seqs`` (that many sequences) or ``n_tokens`` (sequences until their tokens reach
+        it; the last one may overshoot). Returns fewer if the trainable part of the buffer is
+        smaller. The first draw is exactly proportional to the weights (Efraimidis-Spirakis keys).
+        """
+        if (n_seqs is None) == (n_tokens is None):
+            raise ValueError("pass exactly one of n_seqs or n_tokens")
+        if (n_seqs is not None and n_seqs < 0) or (n_tokens is not None and n_tokens < 0):
+            raise ValueError(f"n_seqs / n_tokens must be >= 0, got {n_seqs} / {n_tokens}")
+        gen = rng if isinstance(rng, np.random.Generator) else np.random.default_rng(rng)
+        newest = self.newest_version
+        items, weights = [], []
+        for v in self._versions:
+            w = self.weight(v)
+            if w <= 0:
+                continue
+            for it in self._by_version[v]:
+                if not (it.holdout and v == newest):
+                    items.append(it)
+                    weights.append(w)
+        if not items:
+            return []
+        # Efraimidis & Spirakis (2006): the largest u ** (1 / w) keys are a weighted sample without
+        # replacement; log form for stability.
+        keys = np.log(gen.random(len(items))) / np.asarray(weights)
+        order = np.argsort(-keys, kind="stable")
+        if n_seqs is not None:
+            return [items[i] for i in order[:n_seqs]]
+        out, total = [], 0
+        for i in order:
+            if total >= n_tokens:
+                break
+            out.append(items[i])
+            total += items[i].num_tokens
+        return out
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything, as plain containers and tensors (torch.save / torch.load(weights_only=True))."""
+        return {
+            "format_version": 1,
+            "config": {
+                "max_tokens": self.max_tokens,
+                "max_bytes": self.max_bytes,
+                "recency_decay": self.recency_decay,
+                "holdout_fraction": self.holdout_fraction,
+            },
+            "next_uid": self._next_uid,
+            "added": {str(k): v for k, v in self._added.items()},
+            "evicted": [self.evicted_seqs, self.evicted_tokens],
+            "items": [
+                {
+                    "uid": it.uid,
+                    "policy_version": it.policy_version,
+                    "token_ids": it.token_ids,
+                    "prompt_len": it.prompt_len,
+                    "tensors": dict(it.tensors),
+                    "source": it.source,
+                    "holdout": it.holdout,
+                }
+                for it in self
+            ],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Replace the contents with ``state`` (bounds stay this buffer's; evicts if they are tighter)."""
+        if state.get("format_version") != 1:
+            raise ValueError(f"replay state format_version {state.get('format_version')!r}; expected 1")
+        self._by_version, self._versions, self._tokens, self._bytes = {}, [], 0, 0
+        for d in state["items"]:
+            it = ReplayItem(
+                int(d["uid"]), int(d["policy_version"]), d["token_ids"].to(torch.int32),
+                int(d["prompt_len"]), dict(d["tensors"]), d["source"], bool(d["holdout"]),
+            )
+            if it.policy_version not in self._by_version:
+                self._by_version[it.policy_version] = deque()
+                bisect.insort(self._versions, it.policy_version)
+            self._by_version[it.policy_version].append(it)
+            self._tokens += it.num_tokens
+            self._bytes += it.nbytes
+        self._added = {int(k): int(v) for k, v in state["added"].items()}
+        self._next_uid = int(state["next_uid"])
+        self.evicted_seqs, self.evicted_tokens = (int(x) for x in state["evicted"])
+        self._evict()

@@ -1,0 +1,312 @@
+"""Versioned draft store: how drafts are published, and how the engine side finds the newest one.
+
+    store = DraftStore("runs/rl/drafts")
+    version, path = store.publish(lambda d: export_eagle3(head, d, target), policy_version=7)
+    ...
+    # engine side (another process), between generate calls:
+    new = DraftStore("runs/rl/drafts", readonly=True).latest(max_policy_version=engine.policy_version,
+                                                              newer_than=engine.draft_version)
+    if new is not None:
+        engine.swap_draft(new.path)
+
+Layout: ``OUT/v{version:06d}/`` holds ``config.json``, ``model.safetensors`` and the manifest
+``draftadapt.json`` (``sha256`` of model.safetensors, ``version``, ``policy_version`` and
+whatever the exporter wrote: method, format, target fingerprint...). ``OUT/LATEST`` (JSON) names
+the newest version published; it is a hint for people and scripts, ``latest()`` reads the dirs.
+
+Crash safety: a version is written into ``OUT/.tmp-v.../``, every file and the directory are
+fsynced, then the directory is renamed to ``v{version:06d}`` (atomic), so a visible version dir
+is always complete; a kill at any moment leaves at most a temp dir, removed by the next writer.
+Versions strictly increase: the next one is above every version dir present and above LATEST,
+and an ``flock`` on ``OUT/.lock`` serialises publishers, also across processes. ``latest()``
+checks the sha256 before returning a version and skips one that fails.
+
+Asynchronous RL: ``latest(max_policy_version=v)`` only returns drafts trained against policy
+<= v, so an engine that still serves policy v never gets a draft trained on v + 1.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import re
+import secrets
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from draftadapt.drafts.formats import META_FILE, WEIGHTS_FILE, atomic_write_json, file_sha256, fsync_dir
+
+log = logging.getLogger(__name__)
+
+LATEST_FILE = "LATEST"
+LOCK_FILE = ".lock"
+VERSION_RE = re.compile(r"^v(\d{6,})$")
+_TEMP_PREFIXES = (".tmp-v", ".trash-v")
+RESERVED_META = ("version", "policy_version", "sha256")
+
+
+def version_dir_name(version: int) -> str:
+    return f"v{version:06d}"
+
+
+@dataclass(frozen=True)
+class DraftVersion:
+    """A complete, sha-verified published draft."""
+
+    version: int
+    policy_version: int
+    path: Path  # the version directory: give it to RolloutEngine.swap_draft
+    meta: dict[str, Any]  # its draftadapt.json
+
+    @property
+    def weights(self) -> Path:
+        return self.path / WEIGHTS_FILE
+
+
+class DraftStore:
+    """Publishes drafts as numbered, complete, verified directories under ``out_dir``.
+
+    ``readonly=True`` (the engine side): never creates, locks or removes anything.
+    Otherwise the directory is created and leftovers of a killed publisher are removed, unless
+    another process is publishing right now (it holds the lock; its temp dir is live).
+    """
+
+    def __init__(self, out_dir: str | Path, readonly: bool = False) -> None:
+        self.out_dir = Path(out_dir)
+        self.readonly = readonly
+        self._verified: dict[int, tuple] = {}  # version -> stat signature of the files last verified
+        self._bad: dict[int, tuple] = {}  # version -> signature that failed (logged once)
+        if not readonly:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            fd = self._lock(blocking=False)
+            if fd is not None:
+                try:
+                    self._recover()
+                finally:
+                    os.close(fd)
+
+    # ------------------------------------------------------------------ publish
+
+    def publish(
+        self,
+        source: Callable[[Path], Any] | str | Path,
+        policy_version: int,
+        extra_meta: dict[str, Any] | None = None,
+    ) -> tuple[int, Path]:
+        """Write a new version; return ``(version, path)``.
+
+        ``source``: a function that writes the draft into the directory it is given (e.g.
+        ``lambda d: export_eagle3(head, d, target)``), or a draft directory to copy. It must
+        produce ``model.safetensors``; the manifest ``draftadapt.json`` is written (or completed,
+        if the exporter wrote one) last, with ``sha256``, ``version``, ``policy_version``,
+        ``published_unix`` and ``extra_meta``.
+        """
+        if self.readonly:
+            raise RuntimeError(f"{self.out_dir}: this DraftStore was opened readonly; open it without readonly to publish")
+        if isinstance(policy_version, bool) or not isinstance(policy_version, int) or policy_version < 0:
+            raise ValueError(f"policy_version must be an int >= 0, got {policy_version!r}")
+        extra_meta = dict(extra_meta or {})
+        clash = [k for k in RESERVED_META if k in extra_meta]
+        if clash:
+            raise ValueError(f"extra_meta may not set {clash}: the store writes them")
+        if not callable(source) and not Path(source, WEIGHTS_FILE).is_file():
+            raise ValueError(f"{source} has no {WEIGHTS_FILE}; publish a draft directory or a function that writes one")
+        fd = self._lock(blocking=True)
+        try:
+            self._recover()
+            version = self._next_version()
+            tmp = self.out_dir / f".tmp-{version_dir_name(version)}-{os.getpid()}-{secrets.token_hex(3)}"
+            try:
+                if callable(source):
+                    tmp.mkdir()
+                    source(tmp)
+                else:
+                    shutil.copytree(source, tmp)
+                weights = tmp / WEIGHTS_FILE
+                if not weights.is_file():
+                    raise ValueError(f"the publish function wrote no {WEIGHTS_FILE} into the directory it was given")
+                meta_path = tmp / META_FILE
+                meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+                meta.update(extra_meta)
+                meta.update(
+                    version=version,
+                    policy_version=policy_version,
+                    sha256=file_sha256(weights),
+                    published_unix=time.time(),
+                )
+                _fsync_tree(tmp)
+                atomic_write_json(meta_path, meta)  # last inside the dir
+                fsync_dir(tmp)
+                final = self.out_dir / version_dir_name(version)
+                os.rename(tmp, final)  # the commit point: the version appears whole
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+            fsync_dir(self.out_dir)
+            self._write_latest(version, policy_version)
+        finally:
+            os.close(fd)
+        return version, final
+
+    # ------------------------------------------------------------------ read
+
+    def latest(self, max_policy_version: int | None = None, newer_than: int | None = None) -> DraftVersion | None:
+        """The newest complete, sha-valid version trained against policy <= ``max_policy_version``.
+
+        ``newer_than``: the version the caller already serves; returns None unless a newer one
+        qualifies (versions only grow on the engine side).
+        """
+        for version in reversed(self._dir_versions()):
+            if newer_than is not None and version <= newer_than:
+                return None
+            dv = self.get(version)
+            if dv is None:
+                continue
+            if max_policy_version is not None and dv.policy_version > max_policy_version:
+                continue
+            return dv
+        return None
+
+    def versions(self) -> list[int]:
+        """Complete, sha-valid versions, ascending."""
+        return [v for v in self._dir_versions() if self.get(v) is not None]
+
+    def get(self, version: int) -> DraftVersion | None:
+        """Version ``version`` if its directory is complete and its weights match the manifest's sha256, else None."""
+        path = self.out_dir / version_dir_name(version)
+        try:
+            meta_path, weights = path / META_FILE, path / WEIGHTS_FILE
+            ms, ws = meta_path.stat(), weights.stat()
+            sig = (ms.st_ino, ms.st_mtime_ns, ws.st_ino, ws.st_size, ws.st_mtime_ns)
+            if self._bad.get(version) == sig:
+                return None
+            meta = json.loads(meta_path.read_text())
+            problem = _meta_problem(meta, version)
+            if problem is None and self._verified.get(version) != sig:
+                # Hash once per file state: the engine polls this between generate calls.
+                if file_sha256(weights) != meta["sha256"]:
+                    problem = f"{weights} does not match the sha256 in its {META_FILE}"
+            if problem is not None:
+                log.warning("draft store: skipping %s: %s", path, problem)
+                self._bad[version] = sig
+                return None
+            self._verified[version] = sig
+            return DraftVersion(version, meta["policy_version"], path, meta)
+        except FileNotFoundError:
+            return None  # pruned meanwhile, or not a complete draft dir
+        except (json.JSONDecodeError, UnicodeDecodeError, OSError) as exc:
+            log.warning("draft store: skipping %s: %s", path, exc)
+            return None
+
+    # ------------------------------------------------------------------ retention
+
+    def prune(self, keep_last: int) -> list[int]:
+        """Delete all but the newest ``keep_last`` valid versions (older dirs, valid or not); return what went."""
+        if self.readonly:
+            raise RuntimeError(f"{self.out_dir}: opened readonly; cannot prune")
+        if keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+        fd = self._lock(blocking=True)
+        try:
+            valid = self.versions()
+            if len(valid) <= keep_last:
+                return []
+            cutoff = valid[-keep_last]
+            removed = []
+            for v in self._dir_versions():
+                if v >= cutoff:
+                    break
+                # Rename first so no reader ever sees a half-deleted version dir.
+                trash = self.out_dir / f".trash-{version_dir_name(v)}-{secrets.token_hex(3)}"
+                os.rename(self.out_dir / version_dir_name(v), trash)
+                shutil.rmtree(trash, ignore_errors=True)
+                self._verified.pop(v, None)
+                removed.append(v)
+            fsync_dir(self.out_dir)
+            return removed
+        finally:
+            os.close(fd)
+
+    # ------------------------------------------------------------------ internals
+
+    def _dir_versions(self) -> list[int]:
+        if not self.out_dir.is_dir():
+            return []
+        found = []
+        with os.scandir(self.out_dir) as it:
+            for e in it:
+                m = VERSION_RE.match(e.name)
+                if m and e.is_dir():
+                    found.append(int(m.group(1)))
+        return sorted(found)
+
+    def _next_version(self) -> int:
+        top = max(self._dir_versions(), default=0)
+        return max(top, self._read_latest()) + 1
+
+    def _read_latest(self) -> int:
+        try:
+            return int(json.loads((self.out_dir / LATEST_FILE).read_text())["version"])
+        except (FileNotFoundError, json.JSONDecodeError, KeyError, TypeError, ValueError):
+            return 0
+
+    def _write_latest(self, version: int, policy_version: int) -> None:
+        atomic_write_json(
+            self.out_dir / LATEST_FILE,
+            {"version": version, "policy_version": policy_version, "dir": version_dir_name(version)},
+        )
+        fsync_dir(self.out_dir)
+
+    def _lock(self, blocking: bool) -> int | None:
+        fd = os.open(self.out_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _recover(self) -> None:
+        """Under the lock: remove a killed publisher's temp dirs and bring LATEST up to date."""
+        for p in self.out_dir.iterdir():
+            is_temp = p.name.startswith(_TEMP_PREFIXES)
+            is_latest_tmp = p.name.startswith(f".{LATEST_FILE}.") and p.name.endswith(".tmp")
+            if is_temp or is_latest_tmp:
+                log.info("draft store: removing %s, left by an interrupted publish", p)
+                shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+        # Killed between the rename and LATEST: the version is there and valid, LATEST lags.
+        top = max(self._dir_versions(), default=0)
+        if top > self._read_latest():
+            dv = self.get(top)
+            if dv is not None:
+                self._write_latest(top, dv.policy_version)
+
+
+def _meta_problem(meta: Any, version: int) -> str | None:
+    if not isinstance(meta, dict):
+        return f"{META_FILE} is not a JSON object"
+    if meta.get("version") != version:
+        return f"{META_FILE} says version {meta.get('version')!r}, the directory is {version_dir_name(version)}"
+    pv = meta.get("policy_version")
+    if isinstance(pv, bool) or not isinstance(pv, int) or pv < 0:
+        return f"{META_FILE} has no valid policy_version ({pv!r})"
+    if not isinstance(meta.get("sha256"), str):
+        return f"{META_FILE} has no sha256"
+    return None
+
+
+def _fsync_tree(root: Path) -> None:
+    """fsync every file and directory under ``root`` (the rename publishes them all at once)."""
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            with open(os.path.join(dirpath, name), "rb") as f:
+                os.fsync(f.fileno())
+        fsync_dir(Path(dirpath))
