@@ -1,8 +1,7 @@
 """Replay buffer of rollout sequences, tagged by the policy version that sampled them.
 
     buf = ReplayBuffer(max_tokens=2_000_000, max_bytes=8 << 30, recency_decay=0.5, holdout_fraction=0.1)
-    for shard in reader.poll(cursor):
-        buf.add_shard(shard)
+    buf.add(prompt_ids, response_ids, policy_version, tensors={"aux_hidden": h})   # or add_shard(shard)
     batch = buf.sample(n_tokens=16_384, rng=rng)   # newer policy versions weigh more
     val = buf.heldout()                             # newest version's held-out sequences
 
@@ -15,8 +14,9 @@ policy drifts, so old rollouts describe a distribution the draft no longer has t
 (0.5 halves the weight per version; 0 uses the newest version only; 1 is uniform).
 
 Validation: with ``holdout_fraction`` f > 0, a deterministic f of each version's sequences (the
-1st, then about every 1/f-th added) is held out. ``heldout()`` returns those of the newest
-version and ``sample()`` never returns them; once a newer version arrives they become training
+1st, then about every 1/f-th added; at most ``max_heldout``) is held out. ``heldout()`` returns
+those of the newest version and ``sample()`` never returns them, so the validation set is never
+trained on while it is the validation set; once a newer version arrives they become training
 data like the rest (validation always measures against the newest policy).
 
 Not thread-safe. After a crash, rebuild it from the spool (the shards are kept until pruned), or
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import random
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
@@ -48,7 +49,7 @@ class ReplayItem:
     prompt_len: int
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # per sequence, e.g. aux_hidden [T, D]
     source: str | None = None  # where it came from, e.g. "<shard name>#<index>"
-    holdout: bool = False
+    holdout: bool = False  # a validation position of its version (see heldout())
 
     @property
     def num_tokens(self) -> int:
@@ -82,6 +83,7 @@ class ReplayBuffer:
         max_bytes: int | None = None,
         recency_decay: float = 0.5,
         holdout_fraction: float = 0.0,
+        max_heldout: int | None = None,
     ) -> None:
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
@@ -91,10 +93,13 @@ class ReplayBuffer:
             raise ValueError(f"recency_decay must be in [0, 1], got {recency_decay}")
         if not 0.0 <= holdout_fraction < 1.0:
             raise ValueError(f"holdout_fraction must be in [0, 1), got {holdout_fraction}")
+        if max_heldout is not None and max_heldout < 0:
+            raise ValueError(f"max_heldout must be >= 0 or None, got {max_heldout}")
         self.max_tokens = max_tokens
         self.max_bytes = max_bytes
         self.recency_decay = recency_decay
         self.holdout_fraction = holdout_fraction
+        self.max_heldout = max_heldout
         self._by_version: dict[int, deque[ReplayItem]] = {}
         self._versions: list[int] = []  # sorted keys of _by_version
         self._added: dict[int, int] = {}  # version -> sequences ever added (holdout positions)
@@ -108,22 +113,26 @@ class ReplayBuffer:
 
     def add(
         self,
-        token_ids: Sequence[int] | torch.Tensor,
+        prompt_ids: Sequence[int] | torch.Tensor,
+        response_ids: Sequence[int] | torch.Tensor,
         policy_version: int,
-        prompt_len: int = 0,
         tensors: dict[str, torch.Tensor] | None = None,
         source: str | None = None,
     ) -> ReplayItem | None:
-        """Add one sequence; evict the oldest while over a bound. Returns the item, or None if it
-        was itself the oldest and evicted at once (a version older than everything, buffer full)."""
+        """Add one sequence sampled by ``policy_version``; evict the oldest while over a bound.
+
+        ``tensors``: per-sequence tensors with one row per token of prompt + response (e.g.
+        ``{"aux_hidden": [T, D]}``); counted in bytes. Returns the item, or None if it was itself
+        the oldest and evicted at once (a version older than everything held, buffer full).
+        """
         if isinstance(policy_version, bool) or not isinstance(policy_version, int) or policy_version < 0:
             raise ValueError(f"policy_version must be an int >= 0, got {policy_version!r}")
-        ids = torch.as_tensor(token_ids).reshape(-1).to(torch.int32).clone()
-        n = ids.numel()
+        p = torch.as_tensor(prompt_ids).reshape(-1).to(torch.int32)
+        r = torch.as_tensor(response_ids).reshape(-1).to(torch.int32)
+        ids = torch.cat([p, r])
+        n, prompt_len = ids.numel(), p.numel()
         if n == 0:
             raise ValueError("cannot add an empty sequence")
-        if not 0 <= prompt_len <= n:
-            raise ValueError(f"prompt_len {prompt_len} is outside 0..{n} (the sequence length)")
         if n > self.max_tokens:
             raise ValueError(
                 f"a sequence of {n} tokens exceeds the buffer's max_tokens {self.max_tokens}; raise max_tokens"
@@ -152,7 +161,7 @@ class ReplayBuffer:
         out = []
         for i, (p, r) in enumerate(zip(shard.prompt_ids, shard.response_ids)):
             tensors = {"aux_hidden": shard.aux_hidden[i]} if shard.aux_hidden is not None else None
-            item = self.add(p + r, shard.policy_version, len(p), tensors, source=f"{shard.name}#{i}")
+            item = self.add(p, r, shard.policy_version, tensors, source=f"{shard.name}#{i}")
             if item is not None:
                 out.append(item)
         return out
@@ -215,37 +224,45 @@ class ReplayBuffer:
         return float(self.recency_decay ** (newest - policy_version))
 
     def heldout(self) -> list[ReplayItem]:
-        """The newest version's held-out sequences (never returned by :meth:`sample`)."""
+        """The newest version's held-out sequences (never returned by :meth:`sample`), oldest first."""
         v = self.newest_version
-        return [] if v is None else [it for it in self._by_version[v] if it.holdout]
+        if v is None:
+            return []
+        held = [it for it in self._by_version[v] if it.holdout]
+        return held if self.max_heldout is None else held[: self.max_heldout]
+
+    def split_recent(self) -> tuple[list[ReplayItem], list[ReplayItem]]:
+        """(held out: :meth:`heldout`, trainable: everything else), each oldest first."""
+        held = self.heldout()
+        uids = {it.uid for it in held}
+        return held, [it for it in self if it.uid not in uids]
 
     def sample(
         self,
         n_seqs: int | None = None,
         n_tokens: int | None = None,
-        rng: np.random.Generator | int | None = None,
+        rng: np.random.Generator | random.Random | int | None = None,
+        items: Sequence[ReplayItem] | None = None,
     ) -> list[ReplayItem]:
         """Draw without replacement, each sequence weighted ``decay ** (newest - version)``.
 
         Give ``n_seqs`` (that many sequences) or ``n_tokens`` (sequences until their tokens reach
-        it; the last one may overshoot). Returns fewer if the trainable part of the buffer is
-        smaller. The first draw is exactly proportional to the weights (Efraimidis-Spirakis keys).
+        it; the last one may overshoot). Draws from the trainable part (not :meth:`heldout`), or
+        from ``items`` if given (e.g. the second half of :meth:`split_recent`); returns fewer if
+        there are fewer. The first draw is exactly proportional to the weights.
         """
         if (n_seqs is None) == (n_tokens is None):
             raise ValueError("pass exactly one of n_seqs or n_tokens")
         if (n_seqs is not None and n_seqs < 0) or (n_tokens is not None and n_tokens < 0):
             raise ValueError(f"n_seqs / n_tokens must be >= 0, got {n_seqs} / {n_tokens}")
+        if isinstance(rng, random.Random):
+            rng = rng.getrandbits(64)
         gen = rng if isinstance(rng, np.random.Generator) else np.random.default_rng(rng)
-        newest = self.newest_version
-        items, weights = [], []
-        for v in self._versions:
-            w = self.weight(v)
-            if w <= 0:
-                continue
-            for it in self._by_version[v]:
-                if not (it.holdout and v == newest):
-                    items.append(it)
-                    weights.append(w)
+        if items is None:
+            items = self.split_recent()[1]
+        weights = [self.weight(it.policy_version) for it in items]
+        keep = [i for i, w in enumerate(weights) if w > 0]
+        items, weights = [items[i] for i in keep], [weights[i] for i in keep]
         if not items:
             return []
         # Efraimidis & Spirakis (2006): the largest u ** (1 / w) keys are a weighted sample without
@@ -273,6 +290,7 @@ class ReplayBuffer:
                 "max_bytes": self.max_bytes,
                 "recency_decay": self.recency_decay,
                 "holdout_fraction": self.holdout_fraction,
+                "max_heldout": self.max_heldout,
             },
             "next_uid": self._next_uid,
             "added": {str(k): v for k, v in self._added.items()},

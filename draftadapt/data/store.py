@@ -1,7 +1,7 @@
 """Versioned draft store: how drafts are published, and how the engine side finds the newest one.
 
     store = DraftStore("runs/rl/drafts")
-    version, path = store.publish(lambda d: export_eagle3(head, d, target), policy_version=7)
+    version, path = store.publish(lambda d, v: export_eagle3(head, d, target), policy_version=7)
     ...
     # engine side (another process), between generate calls:
     new = DraftStore("runs/rl/drafts", readonly=True).latest(max_policy_version=engine.policy_version,
@@ -94,14 +94,14 @@ class DraftStore:
 
     def publish(
         self,
-        source: Callable[[Path], Any] | str | Path,
+        source: Callable[[Path, int], Any] | str | Path,
         policy_version: int,
         extra_meta: dict[str, Any] | None = None,
     ) -> tuple[int, Path]:
         """Write a new version; return ``(version, path)``.
 
-        ``source``: a function that writes the draft into the directory it is given (e.g.
-        ``lambda d: export_eagle3(head, d, target)``), or a draft directory to copy. It must
+        ``source``: a function ``write(dir, version)`` that writes the draft into ``dir`` (e.g.
+        ``lambda d, v: export_eagle3(head, d, target)``), or a draft directory to copy. It must
         produce ``model.safetensors``; the manifest ``draftadapt.json`` is written (or completed,
         if the exporter wrote one) last, with ``sha256``, ``version``, ``policy_version``,
         ``published_unix`` and ``extra_meta``.
@@ -124,7 +124,7 @@ class DraftStore:
             try:
                 if callable(source):
                     tmp.mkdir()
-                    source(tmp)
+                    source(tmp, version)
                 else:
                     shutil.copytree(source, tmp)
                 weights = tmp / WEIGHTS_FILE

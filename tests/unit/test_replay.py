@@ -1,0 +1,168 @@
+"""Replay buffer: bounds, eviction order, recency weighting (statistical), held-out split, state."""
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from draftadapt.data.replay import ReplayBuffer
+from draftadapt.data.spool import SpoolReader
+from draftadapt.spool import SpoolWriter
+
+
+def fill(buf, versions, length=4):
+    return [buf.add(list(range(1, length)), [0], v, source=f"{v}:{i}") for i, v in enumerate(versions)]
+
+
+def test_add_counts_tokens_bytes_and_keeps_prompt_response_split():
+    buf = ReplayBuffer(max_tokens=100)
+    item = buf.add([1, 2, 3], [4, 5], 0, tensors={"aux_hidden": torch.zeros(5, 8)})
+    assert (len(buf), buf.num_tokens, buf.nbytes) == (1, 5, 5 * 4 + 5 * 8 * 4)
+    assert item.sequence().prompt_ids == [1, 2, 3] and item.sequence().response_ids == [4, 5]
+    assert buf.newest_version == 0 and buf.version_counts() == {0: 1}
+
+
+def test_views_are_copied_so_the_byte_bound_is_real():
+    big = torch.zeros(1000, 16)
+    buf = ReplayBuffer(max_tokens=100)
+    item = buf.add([1, 2], [3], 0, tensors={"h": big[10:13]})
+    assert item.tensors["h"].untyped_storage().nbytes() == 3 * 16 * 4
+
+
+def test_token_bound_evicts_oldest_version_first_then_oldest_added():
+    buf = ReplayBuffer(max_tokens=20)  # 5 sequences of 4 tokens
+    fill(buf, [1, 1, 0, 2, 0])  # async RL: version 0 arrives after version 1
+    assert buf.num_tokens == 20 and len(buf) == 5
+    fill(buf, [2])
+    assert buf.version_counts() == {0: 1, 1: 2, 2: 2}  # the first version-0 sequence went
+    assert [it.source for it in buf] == ["0:4", "1:0", "1:1", "2:3", "2:0"]
+    fill(buf, [3, 3])
+    assert buf.version_counts() == {1: 1, 2: 2, 3: 2}
+    assert buf.num_tokens <= 20 and buf.evicted_seqs == 3 and buf.evicted_tokens == 12
+
+
+def test_byte_bound_evicts_too():
+    buf = ReplayBuffer(max_tokens=10_000, max_bytes=3 * (4 * 4 + 4 * 8 * 4))
+    for v in range(5):
+        buf.add([1, 2], [3, 4], v, tensors={"aux_hidden": torch.zeros(4, 8)})
+    assert len(buf) == 3 and buf.nbytes <= buf.max_bytes and min(buf.version_counts()) == 2
+
+
+def test_adding_an_older_version_to_a_full_buffer_returns_none():
+    buf = ReplayBuffer(max_tokens=8)
+    fill(buf, [5, 5])
+    assert buf.add([1, 2, 3], [0], 1) is None and buf.version_counts() == {5: 2}
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(prompt_ids=[], response_ids=[]), "empty sequence"),
+        (dict(policy_version=-1), "policy_version"),
+        (dict(prompt_ids=list(range(50))), "exceeds the buffer's max_tokens"),
+        (dict(tensors={"h": torch.zeros(3, 3)}), "one row per token"),
+    ],
+)
+def test_add_rejects_bad_input(kwargs, match):
+    args = dict(prompt_ids=[1], response_ids=[2], policy_version=0)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        ReplayBuffer(max_tokens=10).add(**args)
+
+
+def test_constructor_checks():
+    for kw in (dict(max_tokens=0), dict(max_tokens=5, recency_decay=1.5), dict(max_tokens=5, holdout_fraction=1.0)):
+        with pytest.raises(ValueError):
+            ReplayBuffer(**kw)
+
+
+def test_recency_weighting_matches_decay_statistically():
+    """First draws are exactly proportional to count_v * decay^(newest - v).
+
+    10,000 single draws; each version's frequency must be within 4 binomial standard deviations of
+    its expected probability (a false failure has probability < 1e-4 per version).
+    """
+    decay = 0.5
+    counts = {0: 40, 1: 30, 2: 20, 3: 10}
+    buf = ReplayBuffer(max_tokens=10_000, recency_decay=decay)
+    for v, c in counts.items():
+        fill(buf, [v] * c)
+    w = {v: c * decay ** (3 - v) for v, c in counts.items()}
+    z = sum(w.values())
+    rng = np.random.default_rng(0)
+    trials = 10_000
+    hits = dict.fromkeys(counts, 0)
+    for _ in range(trials):
+        (item,) = buf.sample(n_seqs=1, rng=rng)
+        hits[item.policy_version] += 1
+    for v in counts:
+        p = w[v] / z
+        sd = (trials * p * (1 - p)) ** 0.5
+        assert abs(hits[v] - trials * p) < 4 * sd, (v, hits[v], trials * p)
+    assert buf.weight(3) == 1.0 and buf.weight(0) == decay**3
+
+
+def test_sample_is_without_replacement_and_respects_n_tokens_and_rng():
+    buf = ReplayBuffer(max_tokens=10_000, recency_decay=0.5)
+    fill(buf, [0] * 10 + [1] * 10)
+    batch = buf.sample(n_seqs=15, rng=1)
+    assert len(batch) == 15 and len({it.uid for it in batch}) == 15
+    assert len(buf.sample(n_seqs=100, rng=1)) == 20
+    by_tokens = buf.sample(n_tokens=10, rng=random.Random(0))
+    assert sum(it.num_tokens for it in by_tokens) >= 10 and len(by_tokens) == 3  # 4 tokens each
+    assert [it.uid for it in buf.sample(n_seqs=5, rng=7)] == [it.uid for it in buf.sample(n_seqs=5, rng=7)]
+    with pytest.raises(ValueError, match="exactly one"):
+        buf.sample(rng=0)
+    assert ReplayBuffer(10).sample(n_seqs=3) == []
+
+
+def test_decay_zero_samples_only_the_newest_version():
+    buf = ReplayBuffer(max_tokens=10_000, recency_decay=0.0)
+    fill(buf, [0] * 10 + [1] * 3)
+    assert {it.policy_version for it in buf.sample(n_seqs=13, rng=0)} == {1}
+
+
+def test_heldout_is_deterministic_never_sampled_and_moves_on_with_the_newest_version():
+    buf = ReplayBuffer(max_tokens=10_000, holdout_fraction=0.25, max_heldout=3)
+    fill(buf, [0] * 8)
+    held0 = buf.heldout()
+    assert [it.source for it in held0] == ["0:0", "0:4"]  # positions 0, 4: a quarter, at least one
+    held, train = buf.split_recent()
+    assert held == held0 and len(train) == 6
+    uids = {it.uid for it in held}
+    for seed in range(20):
+        assert not uids & {it.uid for it in buf.sample(n_seqs=8, rng=seed)}
+    fill(buf, [1] * 20)
+    assert [it.policy_version for it in buf.heldout()] == [1, 1, 1]  # capped by max_heldout
+    assert uids <= {it.uid for it in buf.sample(n_seqs=100, rng=0)}  # old held-out: training data now
+    assert len(buf.sample(n_seqs=100, rng=0)) == 28 - 3
+
+
+def test_state_dict_round_trip_through_torch_save(tmp_path):
+    buf = ReplayBuffer(max_tokens=50, holdout_fraction=0.5)
+    for v in range(4):
+        buf.add([1, 2, 3], [4], v, tensors={"aux_hidden": torch.randn(4, 2)}, source=f"s{v}")
+    torch.save(buf.state_dict(), tmp_path / "replay.pt")
+    other = ReplayBuffer(max_tokens=50, holdout_fraction=0.5)
+    other.load_state_dict(torch.load(tmp_path / "replay.pt", weights_only=True))
+    assert [(it.uid, it.source, it.holdout) for it in other] == [(it.uid, it.source, it.holdout) for it in buf]
+    assert (other.num_tokens, other.nbytes) == (buf.num_tokens, buf.nbytes)
+    assert all(torch.equal(a.tensors["aux_hidden"], b.tensors["aux_hidden"]) for a, b in zip(other, buf))
+    assert other.add([1], [2], 4).uid == buf.add([1], [2], 4).uid
+    small = ReplayBuffer(max_tokens=8)
+    small.load_state_dict(buf.state_dict())
+    assert small.num_tokens <= 8
+
+
+def test_rebuild_from_the_spool(tmp_path):
+    w = SpoolWriter(tmp_path)
+    for step in range(3):
+        w.write_rollouts(step, step, [[1, 2], [3]], [[4], [5, 6]], aux_hidden=torch.randn(6, 4))
+    buf = ReplayBuffer(max_tokens=1000)
+    for shard in SpoolReader(tmp_path).poll():
+        buf.add_shard(shard)
+    assert len(buf) == 6 and buf.newest_version == 2 and buf.num_tokens == 18
+    first = next(iter(buf))
+    assert first.sequence().prompt_ids == [1, 2] and first.tensors["aux_hidden"].shape == (3, 4)
+    assert first.source.endswith("#0")
