@@ -1,0 +1,247 @@
+"""Build the toy target: train a tiny model from scratch on the toy task and save it.
+
+    draftadapt toy build --out /tmp/toy_llama [--arch llama|qwen3] [--seed 0] [--steps N]
+
+trains for a few minutes on 2 CPU cores, evaluates accuracy at temperature 1 on the
+held-out prompts, writes an HF model directory (model, tokenizer, generation_config,
+heldout.jsonl, toy.json) and prints as its last line one JSON object such as
+``{"accuracy": 0.41, "params": 5147904, "seconds": 170.2, "arch": "llama", "out": ...}``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerFast
+
+from draftadapt.toy import task
+from draftadapt.toy.model import ToyModelConfig, build_model
+from draftadapt.toy.tokenizer import BOS_ID, EOS_ID, PAD_ID, build_tokenizer
+
+HELDOUT_SEED_OFFSET = 1_000_003  # held-out problems come from a stream training never draws
+
+
+@dataclass
+class ToyTrainConfig:
+    model: ToyModelConfig = field(default_factory=ToyModelConfig)
+    steps: int = 700  # tuned: lands at 20-60% accuracy at temperature 1 (see toy.json)
+    batch_size: int = 32
+    lr: float = 2e-3
+    warmup_steps: int = 50
+    min_lr_ratio: float = 0.1  # cosine decay to lr * min_lr_ratio
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    bucket: int = 8  # draw bucket * batch_size problems, sort by length: little padding
+    max_train_seconds: float = 240.0  # stop early on a slow or busy machine: build stays < 5 min
+    heldout: int = 256
+    max_new_tokens: int = 96  # the longest response is about 75 characters
+    eval_every: int = 0  # > 0: print held-out accuracy every this many steps (tuning)
+    threads: int = 2
+
+
+def encode_example(tok: PreTrainedTokenizerFast, problem: dict) -> tuple[list[int], int]:
+    """Token ids of ``<s> prompt response </s>`` and the length of the ``<s> prompt`` part."""
+    prompt_ids = tok(problem["prompt"]).input_ids
+    response_ids = tok(problem["response"], add_special_tokens=False).input_ids
+    return prompt_ids + response_ids + [EOS_ID], len(prompt_ids)
+
+
+def make_batch(examples: list[tuple[list[int], int]]) -> dict[str, torch.Tensor]:
+    """Right-padded batch; labels are -100 except on response tokens and the final ``</s>``."""
+    width = max(len(ids) for ids, _ in examples)
+    input_ids = torch.full((len(examples), width), PAD_ID, dtype=torch.long)
+    labels = torch.full_like(input_ids, -100)
+    mask = torch.zeros_like(input_ids)
+    for i, (ids, n_prompt) in enumerate(examples):
+        input_ids[i, : len(ids)] = torch.tensor(ids)
+        labels[i, n_prompt : len(ids)] = input_ids[i, n_prompt : len(ids)]
+        mask[i, : len(ids)] = 1
+    return {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
+
+
+def batches(tok: PreTrainedTokenizerFast, rng: random.Random, cfg: ToyTrainConfig):
+    """Endless training batches of fresh problems, grouped by length to save padding."""
+    while True:
+        pool = [encode_example(tok, task.make_problem(rng)) for _ in range(cfg.bucket * cfg.batch_size)]
+        pool.sort(key=lambda e: len(e[0]))
+        chunks = [pool[i : i + cfg.batch_size] for i in range(0, len(pool), cfg.batch_size)]
+        rng.shuffle(chunks)
+        yield from (make_batch(c) for c in chunks)
+
+
+def lr_at(step: int, cfg: ToyTrainConfig) -> float:
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    frac = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    cos = 0.5 * (1 + math.cos(math.pi * min(1.0, frac)))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cos)
+
+
+@torch.no_grad()
+def sample(
+    model: PreTrainedModel,
+    tok: PreTrainedTokenizerFast,
+    prompts: list[str],
+    temperature: float = 1.0,
+    max_new_tokens: int = 96,
+    seed: int = 0,
+    batch_size: int = 128,
+) -> list[str]:
+    """Completions (text after the prompt, without ``</s>``) sampled from the full
+    distribution at ``temperature`` (0 = greedy); plain ancestral sampling, no top-k/p."""
+    model.eval()
+    gen = torch.Generator().manual_seed(seed)
+    out: list[str] = []
+    for start in range(0, len(prompts), batch_size):
+        enc = tok(prompts[start : start + batch_size], return_tensors="pt", padding=True)
+        ids, mask = enc.input_ids, enc.attention_mask  # left-padded: [B, T]
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        past, new = None, []
+        done = torch.zeros(ids.shape[0], dtype=torch.bool)
+        step_ids, step_pos = ids, pos
+        for _ in range(max_new_tokens):
+            o = model(input_ids=step_ids, attention_mask=mask, position_ids=step_pos,
+                      past_key_values=past, use_cache=True)
+            past = o.past_key_values
+            logits = o.logits[:, -1, :].float()  # [B, V]
+            if temperature > 0:
+                probs = torch.softmax(logits / temperature, dim=-1)
+                nxt = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+            else:
+                nxt = logits.argmax(-1)
+            nxt = torch.where(done, torch.full_like(nxt, PAD_ID), nxt)
+            new.append(nxt)
+            done |= nxt == EOS_ID
+            if done.all():
+                break
+            step_ids = nxt[:, None]
+            step_pos = step_pos[:, -1:] + 1
+            mask = torch.cat([mask, torch.ones_like(step_ids)], dim=-1)
+        gen_ids = torch.stack(new, dim=1).tolist()
+        for row in gen_ids:
+            if EOS_ID in row:
+                row = row[: row.index(EOS_ID)]
+            out.append(tok.decode(row, skip_special_tokens=True))
+    return out
+
+
+def evaluate(model, tok, problems: list[dict], temperature: float, max_new_tokens: int, seed: int) -> dict:
+    """Accuracy (reward mean) and how often each style was chosen."""
+    completions = sample(model, tok, [p["prompt"] for p in problems], temperature, max_new_tokens, seed)
+    rewards = [task.reward(p, c) for p, c in zip(problems, completions)]
+    verbose = sum(task.style_of(c) == "verbose" for c in completions)
+    return {
+        "accuracy": sum(rewards) / len(rewards),
+        "verbose_frac": verbose / len(completions),
+        "mean_chars": sum(len(c) for c in completions) / len(completions),
+        "examples": [p["prompt"] + c for p, c in zip(problems[:3], completions[:3])],
+    }
+
+
+def train(model: PreTrainedModel, tok: PreTrainedTokenizerFast, cfg: ToyTrainConfig, seed: int,
+          heldout: list[dict] | None = None) -> dict:
+    """AdamW on response tokens of fresh problems; returns a short training summary."""
+    rng = random.Random(seed)
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "norm" not in n]
+    no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "norm" not in n)]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr, betas=(0.9, 0.98), eps=1e-8,
+    )
+    model.train()
+    t0, loss_ema, step = time.time(), None, 0
+    bar = tqdm(total=cfg.steps, desc="toy train", unit="step", file=sys.stderr, dynamic_ncols=True)
+    for step, batch in zip(range(cfg.steps), batches(tok, rng, cfg)):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, cfg)
+        loss = model(**batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss_ema = loss.item() if loss_ema is None else 0.95 * loss_ema + 0.05 * loss.item()
+        bar.set_postfix(loss=f"{loss_ema:.3f}")
+        bar.update()
+        if cfg.eval_every and heldout and (step + 1) % cfg.eval_every == 0:
+            ev = evaluate(model, tok, heldout[:128], 1.0, cfg.max_new_tokens, seed)
+            greedy = evaluate(model, tok, heldout[:128], 0.0, cfg.max_new_tokens, seed)
+            tqdm.write(f"step {step + 1} t={time.time() - t0:.0f}s loss={loss_ema:.3f} "
+                       f"acc@1={ev['accuracy']:.3f} acc@0={greedy['accuracy']:.3f} "
+                       f"verbose={ev['verbose_frac']:.2f} {ev['examples'][0]!r}", file=sys.stderr)
+            model.train()
+        if time.time() - t0 > cfg.max_train_seconds:
+            tqdm.write(f"toy train: stopping at step {step + 1}/{cfg.steps}: "
+                       f"over the {cfg.max_train_seconds:.0f} s budget (busy machine?)", file=sys.stderr)
+            break
+    bar.close()
+    model.eval()
+    return {"steps": step + 1, "final_loss": loss_ema, "train_seconds": time.time() - t0}
+
+
+def save(out: Path, model: PreTrainedModel, tok: PreTrainedTokenizerFast, heldout: list[dict],
+         meta: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    # Only token ids: sampling fields here would become vLLM's default sampling params.
+    model.generation_config = GenerationConfig(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    task.write_heldout(out / "heldout.jsonl", heldout)
+    (out / "toy.json").write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def build(out: str, arch: str = "llama", seed: int = 0, steps: int | None = None,
+          cfg: ToyTrainConfig | None = None) -> dict:
+    """Train, evaluate and save a toy target in ``out``; returns the summary printed last."""
+    t0 = time.time()
+    cfg = cfg or ToyTrainConfig()
+    cfg.model.arch = arch
+    if steps is not None:
+        cfg.steps = steps
+    torch.set_num_threads(cfg.threads)
+    tok = build_tokenizer()
+    model = build_model(cfg.model, seed=seed)
+    params = sum(p.numel() for p in model.parameters())
+    heldout = task.sample_problems(cfg.heldout, seed + HELDOUT_SEED_OFFSET)
+    summary = train(model, tok, cfg, seed, heldout)
+    ev = evaluate(model, tok, heldout, 1.0, cfg.max_new_tokens, seed)
+    result = {
+        "accuracy": round(ev["accuracy"], 4),
+        "params": params,
+        "seconds": 0.0,
+        "arch": arch,
+        "seed": seed,
+        "steps": summary["steps"],
+        "final_loss": round(summary["final_loss"], 4),
+        "verbose_frac": round(ev["verbose_frac"], 4),
+        "mean_response_chars": round(ev["mean_chars"], 1),
+        "out": str(Path(out).resolve()),
+    }
+    meta = {
+        "task": "column arithmetic: a+b (up to 4 digits each) and a*d (d one digit), "
+                "worked right to left, final answer after '#'",
+        "styles": list(task.STYLES),
+        "reward": "draftadapt.toy.task.reward: 1.0 iff the completion ends in '#<correct answer>'",
+        "heldout_seed": seed + HELDOUT_SEED_OFFSET,
+        "train": {k: v for k, v in asdict(cfg).items() if k != "model"},
+        "model": asdict(cfg.model),
+        "eval_temperature": 1.0,
+        **{k: result[k] for k in ("accuracy", "params", "arch", "seed", "steps", "final_loss",
+                                  "verbose_frac", "mean_response_chars")},
+    }
+    save(Path(out), model, tok, heldout, meta)
+    result["seconds"] = round(time.time() - t0, 1)
+    return result
+
+
+def build_cli(out: str, arch: str = "llama", seed: int = 0, steps: int | None = None) -> int:
+    result = build(out, arch=arch, seed=seed, steps=steps)
+    print(json.dumps(result), flush=True)
+    return 0

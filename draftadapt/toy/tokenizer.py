@@ -1,0 +1,48 @@
+"""Character-level tokenizer for the toy task, built locally as a ``PreTrainedTokenizerFast``.
+
+One token per character of ``task.ALPHABET`` after four specials (``<pad>`` 0, ``<s>`` 1,
+``</s>`` 2, ``<unk>`` 3). Encoding adds ``<s>`` in front, never ``</s>``; decoding joins
+characters with nothing in between. Because every token is one character,
+``encode(prompt + response) == encode(prompt) + encode(response, add_special_tokens=False)``,
+so prompt and response token ids can be concatenated freely (RL rollouts rely on it).
+
+``save_pretrained`` writes ``tokenizer.json`` + ``tokenizer_config.json``, which
+``AutoTokenizer.from_pretrained(dir)`` and vLLM load without this package.
+"""
+
+from __future__ import annotations
+
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from transformers import PreTrainedTokenizerFast
+
+from draftadapt.toy.task import ALPHABET
+
+PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
+SPECIALS = (PAD, BOS, EOS, UNK)
+PAD_ID, BOS_ID, EOS_ID, UNK_ID = range(len(SPECIALS))
+
+
+def vocab() -> dict[str, int]:
+    """Token -> id: the specials, then each character of the alphabet in order."""
+    symbols = list(SPECIALS) + list(ALPHABET)
+    return {s: i for i, s in enumerate(symbols)}
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.WordLevel(vocab=vocab(), unk_token=UNK))
+    # Every character becomes its own pre-token, newline and space included.
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, BOS_ID)]
+    )
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        unk_token=UNK,
+        padding_side="left",  # batched generation pads prompts on the left
+        clean_up_tokenization_spaces=False,
+        model_max_length=256,
+    )

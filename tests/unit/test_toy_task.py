@@ -1,0 +1,101 @@
+"""The toy world's pure parts: generator, reward, tokenizer. No model training here."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from transformers import AutoTokenizer
+
+from draftadapt.toy import task
+from draftadapt.toy.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, build_tokenizer
+
+
+def test_generator_is_deterministic_per_seed():
+    assert task.sample_problems(50, seed=3) == task.sample_problems(50, seed=3)
+    assert task.sample_problems(50, seed=3) != task.sample_problems(50, seed=4)
+    rng_a, rng_b = random.Random(7), random.Random(7)
+    assert [task.make_problem(rng_a) for _ in range(5)] == [task.make_problem(rng_b) for _ in range(5)]
+
+
+def test_problems_fit_the_budget_and_mix_styles():
+    problems = task.sample_problems(2000, seed=0)
+    for p in problems:
+        assert set(p["prompt"] + p["response"]) <= set(task.ALPHABET)
+        # <s> + prompt + response + </s> within 128 tokens
+        assert len(p["prompt"]) + len(p["response"]) + 2 <= 128
+        assert p["response"].endswith(f"#{p['answer']}")
+    styles = {p["style"] for p in problems}
+    assert styles == set(task.STYLES)
+    assert {p["prompt"][:-1].strip("0123456789") for p in problems} == set(task.OPS)
+    assert sum(len(p["response"]) for p in problems) / len(problems) >= 25
+
+
+@pytest.mark.parametrize("style", task.STYLES)
+def test_worked_steps_are_right(style):
+    r = task.format_response(347, "+", 85, style)
+    assert "7+5=12" in r and "4+8+1=13" in r and "3+0+1=4" in r and r.endswith("#432")
+    r = task.format_response(4096, "*", 7, style)
+    assert "6*7=42" in r and "9*7+4=67" in r and r.endswith("#28672")
+    assert task.style_of(r) == style
+
+
+def test_reward_accepts_correct_and_rejects_wrong():
+    problems = task.sample_problems(300, seed=1)
+    for p in problems:
+        assert task.reward(p, p["response"]) == 1.0
+        assert task.reward(p["prompt"], p["response"]) == 1.0
+        wrong = str(int(p["answer"]) + 1)
+        assert task.reward(p, p["response"].rsplit("#", 1)[0] + "#" + wrong) == 0.0
+    p = {"prompt": "12+30=", "answer": "42"}
+    assert task.reward(p, "#42") == 1.0
+    assert task.reward(p, "2+0=2 1+3=4 #42 ") == 1.0  # trailing whitespace is fine
+    assert task.reward(p, "2+0=2 1+3=4 #42 more") == 0.0  # must end with the answer
+    assert task.reward(p, "2+0=2 1+3=4 #420") == 0.0
+    assert task.reward(p, "2+0=2 1+3=4 42") == 0.0  # no final-answer marker
+    assert task.reward(p, "") == 0.0
+    assert task.reward("12*3=", "#36") == 1.0
+    with pytest.raises(ValueError, match="not a toy problem"):
+        task.reward("what is 2+2?", "#4")
+
+
+def test_heldout_round_trip(tmp_path):
+    problems = task.sample_problems(10, seed=2)
+    task.write_heldout(tmp_path / "heldout.jsonl", problems)
+    assert task.load_heldout(tmp_path) == problems
+    assert task.load_heldout(tmp_path / "heldout.jsonl") == problems
+
+
+def test_tokenizer_round_trips_every_symbol():
+    tok = build_tokenizer()
+    assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id, tok.unk_token_id) == (
+        PAD_ID, BOS_ID, EOS_ID, UNK_ID)
+    assert len(tok) <= 64
+    for ch in task.ALPHABET:
+        ids = tok(ch, add_special_tokens=False).input_ids
+        assert len(ids) == 1 and ids[0] not in (PAD_ID, BOS_ID, EOS_ID, UNK_ID)
+        assert tok.decode(ids) == ch
+    text = task.ALPHABET + task.ALPHABET[::-1]
+    ids = tok(text).input_ids
+    assert ids[0] == BOS_ID and len(ids) == len(text) + 1
+    assert tok.decode(ids, skip_special_tokens=True) == text
+
+
+def test_prompt_and_response_ids_concatenate():
+    tok = build_tokenizer()
+    for p in task.sample_problems(20, seed=5):
+        whole = tok(p["prompt"] + p["response"]).input_ids
+        parts = tok(p["prompt"]).input_ids + tok(p["response"], add_special_tokens=False).input_ids
+        assert whole == parts
+
+
+def test_saved_tokenizer_reloads_with_autotokenizer(tmp_path):
+    tok = build_tokenizer()
+    tok.save_pretrained(tmp_path)
+    again = AutoTokenizer.from_pretrained(tmp_path)
+    assert (again.pad_token_id, again.bos_token_id, again.eos_token_id) == (PAD_ID, BOS_ID, EOS_ID)
+    assert again.get_vocab() == tok.get_vocab()
+    for p in task.sample_problems(20, seed=6):
+        text = p["prompt"] + p["response"]
+        assert again(text).input_ids == tok(text).input_ids
+        assert again.decode(again(text).input_ids, skip_special_tokens=True) == text
