@@ -81,11 +81,31 @@ def make_accelerator(cfg: TrainConfig):
     from accelerate import Accelerator
     from accelerate.utils import DeepSpeedPlugin
 
-    plugin = None
     if cfg.deepspeed_config or cfg.zero_stage:
-        ds = _deepspeed_dict(cfg)
-        plugin = DeepSpeedPlugin(hf_ds_config=ds)
-    return Accelerator(cpu=not torch.cuda.is_available(), deepspeed_plugin=plugin)
+        # accelerate only sets DeepSpeed up when not forced onto CPU; on a CPU-only machine
+        # DeepSpeed itself picks its CPU accelerator (DS_ACCELERATOR=cpu) and the gloo backend.
+        plugin = DeepSpeedPlugin(hf_ds_config=_deepspeed_dict(cfg))
+        accelerator = Accelerator(cpu=False, deepspeed_plugin=plugin)
+        _fix_cpu_deepspeed_ranks()
+        return accelerator
+    return Accelerator(cpu=not torch.cuda.is_available())
+
+
+def _fix_cpu_deepspeed_ranks() -> None:
+    """accelerate 1.x on a CPU-only machine with DeepSpeed finds no backend, records 1 process
+    and rank 0 on every rank, while DeepSpeed has already joined all ranks in a gloo group: every
+    rank then acts as the main process and ``reduce(mean)`` divides a world-sized sum by 1. Take
+    the ranks from torch.distributed."""
+    import torch.distributed as dist
+    from accelerate.state import AcceleratorState, PartialState
+
+    if not dist.is_initialized():
+        return
+    world, rank = dist.get_world_size(), dist.get_rank()
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    for state in (PartialState(), AcceleratorState()):
+        if state.num_processes != world or state.process_index != rank:
+            state.num_processes, state.process_index, state.local_process_index = world, rank, local
 
 
 def _deepspeed_dict(cfg: TrainConfig) -> dict[str, Any]:

@@ -1,0 +1,163 @@
+"""Acceptance of a draft, measured in vLLM and simulated offline, and what it buys in speed.
+
+    draftadapt eval --target DIR --draft DIR [--k 3] [--temperature 1.0] [--num-prompts 64] [--json]
+
+Starts the engine with the draft, generates one response per held-out prompt (the target's
+``heldout.jsonl``; the toy's prompts otherwise) and reads vLLM's speculative-decoding counters;
+starts it again without the draft for the plain tokens/s; then captures the target on the
+responses vLLM produced (they are target samples: speculative decoding is lossless) and
+simulates the acceptance of the draft on them (``metrics.acceptance``). Prints one JSON object:
+``acceptance_length_measured``, ``acceptance_length_simulated``, ``per_position_acceptance``,
+``per_position_acceptance_simulated``, ``tokens_per_s_spec``, ``tokens_per_s_plain``, ``speedup``
+and the time per engine step with and without speculation.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from draftadapt.drafts.formats import DraftFormatError, detect_format, read_hf_config
+
+GREEDY_EPS = 1e-4  # temperature 0 is greedy: capture at a tiny temperature (one-hot target)
+
+
+def draft_method(draft_dir: str | Path) -> str:
+    """'eagle3' or 'draft_model', from the draft directory's config."""
+    return "draft_model" if detect_format(read_hf_config(draft_dir)) == "hf" else "eagle3"
+
+
+def eval_prompts(target: str | Path, num: int, seed: int) -> list[str]:
+    held = Path(target) / "heldout.jsonl"
+    if held.is_file():
+        from draftadapt.toy.task import load_heldout
+
+        rows = load_heldout(held)
+        if len(rows) < num:
+            print(f"note: {held} has only {len(rows)} prompts; evaluating on those", file=sys.stderr)
+        return [r["prompt"] for r in rows[:num]]
+    from draftadapt.toy.task import sample_problems
+
+    print(f"note: {target} has no heldout.jsonl; evaluating on toy prompts (seed {seed})", file=sys.stderr)
+    return [p["prompt"] for p in sample_problems(num, seed + 7_777_777)]
+
+
+def _run_engine(target: Path, draft: Path | None, method: str, k: int, prompts: list[str], temperature: float,
+                max_tokens: int, seed: int, repeats: int, threads: int | None):
+    """Start an engine, warm it up, generate ``repeats`` times; the fastest run counts for speed."""
+    from draftadapt.engine.rollout import RolloutEngine
+
+    engine = RolloutEngine(target, draft, method=method, num_speculative_tokens=k, max_model_len=256,
+                           max_num_seqs=max(len(prompts), 1), kv_cache_gib=1, seed=seed, threads=threads)
+    try:
+        engine.generate(prompts[: min(8, len(prompts))], temperature=temperature, max_tokens=8, seed=seed)
+        runs = [engine.generate(prompts, temperature=temperature, max_tokens=max_tokens, seed=seed)
+                for _ in range(max(1, repeats))]
+    finally:
+        engine.close()
+        gc.collect()
+    return runs
+
+
+def simulate_on_rollouts(target: Path, draft: Path, method: str, rollouts, k: int, temperature: float,
+                         batch_size: int = 32, threads: int | None = None):
+    """Simulated acceptance of ``draft`` on the target's samples ``rollouts`` (visited, all starts)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from draftadapt.capture.hidden import TargetCapture, iter_captured
+    from draftadapt.data.sequences import Sequence, collate
+    from draftadapt.drafts.vocab import draft_to_target_ids
+    from draftadapt.train.trainer import score_draft
+
+    if threads:
+        torch.set_num_threads(threads)
+    tok = AutoTokenizer.from_pretrained(str(target))
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
+    target_model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
+    if method == "eagle3":
+        from draftadapt.drafts.formats import load_eagle3
+
+        model = load_eagle3(draft, target).eval()
+        aux = model.cfg.aux_layer_ids
+        reduced = model.cfg.draft_vocab_size != model.cfg.target_vocab_size
+        vocab_ids = draft_to_target_ids(model.d2t) if reduced else None
+    else:
+        from draftadapt.drafts.small_lm import load_small_lm
+
+        model = load_small_lm(draft).eval()
+        aux, vocab_ids = None, None
+    capture = TargetCapture(target_model, aux, vocab_ids, temperature=max(temperature, GREEDY_EPS))
+    seqs = [Sequence(list(r.prompt_token_ids), list(r.token_ids)) for r in rollouts]
+    batches = (collate(seqs[i : i + batch_size], pad_id) for i in range(0, len(seqs), batch_size))
+    return score_draft(model, iter_captured(capture, batches), k)
+
+
+def evaluate(target: str | Path, draft: str | Path, k: int = 3, temperature: float = 1.0, num_prompts: int = 64,
+             max_tokens: int = 96, seed: int = 0, repeats: int = 1, threads: int | None = None,
+             prompts: list[str] | None = None) -> dict[str, Any]:
+    target, draft = Path(target), Path(draft)
+    method = draft_method(draft)
+    prompts = prompts if prompts is not None else eval_prompts(target, num_prompts, seed)
+    spec_runs = _run_engine(target, draft, method, k, prompts, temperature, max_tokens, seed, repeats, threads)
+    plain_runs = _run_engine(target, None, method, k, prompts, temperature, max_tokens, seed, repeats, threads)
+    spec = spec_runs[0].spec
+    for r in spec_runs[1:]:
+        spec = spec + r.spec
+    tps_spec = max(r.tokens_per_s for r in spec_runs)
+    tps_plain = max(r.tokens_per_s for r in plain_runs)
+    t0 = time.perf_counter()
+    visited, uniform = simulate_on_rollouts(target, draft, method, spec_runs[0].rollouts, k, temperature, threads=threads)
+    sim_seconds = time.perf_counter() - t0
+    measured = spec.acceptance_length
+    speedup = tps_spec / tps_plain
+    n = len(prompts)
+    return {
+        "method": method,
+        "k": k,
+        "temperature": temperature,
+        "num_prompts": n,
+        "acceptance_length_measured": round(measured, 4),
+        "acceptance_length_simulated": round(visited.length, 4),
+        "acceptance_length_simulated_all_starts": round(uniform.length, 4),
+        "simulated_vs_measured": round(visited.length / measured - 1.0, 4),
+        "per_position_acceptance": [round(x, 4) for x in spec.per_position_rate],
+        "per_position_acceptance_simulated": [round(x, 4) for x in visited.per_position],
+        "drafts": spec.drafts,
+        "tokens_per_s_spec": round(tps_spec, 1),
+        "tokens_per_s_plain": round(tps_plain, 1),
+        "speedup": round(speedup, 4),
+        # With n sequences decoding in lockstep a step emits n tokens (plain) or n * L (spec):
+        # the cost of one speculative step relative to a plain one is L / speedup.
+        "ms_per_step_plain_est": round(1e3 * n / tps_plain, 2),
+        "ms_per_step_spec_est": round(1e3 * n * measured / tps_spec, 2),
+        "spec_step_cost_ratio": round(measured / speedup, 4),
+        "tokens_generated": spec_runs[0].num_tokens,
+        "seconds_spec": round(min(r.seconds for r in spec_runs), 3),
+        "seconds_plain": round(min(r.seconds for r in plain_runs), 3),
+        "seconds_simulation": round(sim_seconds, 2),
+    }
+
+
+def eval_cli(target: str, draft: str, k: int, temperature: float, num_prompts: int, max_tokens: int, seed: int,
+             json_only: bool) -> int:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        result = evaluate(target, draft, k=k, temperature=temperature, num_prompts=num_prompts,
+                          max_tokens=max_tokens, seed=seed)
+    except (DraftFormatError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if not json_only:
+        print(f"acceptance length: measured {result['acceptance_length_measured']:.3f}, simulated "
+              f"{result['acceptance_length_simulated']:.3f} (k={k}, T={temperature}); speedup "
+              f"{result['speedup']:.2f}x ({result['tokens_per_s_plain']:.0f} -> {result['tokens_per_s_spec']:.0f} tokens/s)",
+              file=sys.stderr)
+    print(json.dumps(result), flush=True)
+    return 0

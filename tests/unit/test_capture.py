@@ -1,0 +1,95 @@
+"""Capture: aux layer indexing (vLLM's = HF hidden_states[k]), restricted log-probs, bounded batches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from draftadapt.capture.hidden import TargetCapture, iter_captured
+from draftadapt.data.sequences import Sequence, collate, iter_batches
+
+L = 4
+
+
+def tiny_target(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=24, hidden_size=32, intermediate_size=64, num_hidden_layers=L, num_attention_heads=4,
+                      num_key_value_heads=4, head_dim=8, max_position_embeddings=64, tie_word_embeddings=False)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def test_aux_ids_match_hf_hidden_states():
+    model = tiny_target()
+    ids = torch.randint(0, 24, (2, 9))
+    mask = torch.ones_like(ids)
+    ref = model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states  # L + 1
+    ids_all = list(range(L))  # 0 = embeddings .. L-1
+    logp, aux = TargetCapture(model, ids_all)(ids, mask)
+    assert aux.shape == (2, 9, len(ids_all) * 32)
+    for n, k in enumerate(ids_all):
+        torch.testing.assert_close(aux[..., n * 32 : (n + 1) * 32], ref[k])
+    # id L is the residual stream after the last layer *before* the final norm (vLLM's), which
+    # HF's hidden_states[L] is not (it is after model.norm)
+    _, last = TargetCapture(model, [L])(ids, mask)
+    torch.testing.assert_close(model.model.norm(last), ref[L])
+    assert not torch.allclose(last, ref[L])
+
+
+def test_target_logp_restricted_and_tempered():
+    model = tiny_target()
+    ids = torch.randint(0, 24, (1, 7))
+    mask = torch.ones_like(ids)
+    logits = model(input_ids=ids).logits
+    keep = torch.tensor([0, 3, 5, 20])
+    logp, aux = TargetCapture(model, None, keep, temperature=0.5)(ids, mask)
+    assert aux is None and logp.shape == (1, 7, 4)
+    torch.testing.assert_close(logp, torch.log_softmax(logits / 0.5, -1)[..., keep])
+    with pytest.raises(ValueError):
+        TargetCapture(model, [L + 1])
+    with pytest.raises(ValueError):
+        TargetCapture(model, None, temperature=0.0)
+
+
+def test_right_padding_does_not_change_real_positions():
+    model = tiny_target()
+    a = Sequence([1, 5, 6], [7, 8, 9, 2])
+    b = Sequence([1, 4], [3, 2])
+    alone = TargetCapture(model, [1, 2]).capture(collate([a], 0))
+    both = TargetCapture(model, [1, 2]).capture(collate([a, b], 0))
+    torch.testing.assert_close(both.aux[0], alone.aux[0])
+    torch.testing.assert_close(both.target_logp[0], alone.target_logp[0])
+    assert both.loss_mask[1].tolist() == [False, True, True, False, False, False, False]
+
+
+def test_capture_streams_one_batch_at_a_time():
+    """Bounded memory: the capture is lazy; batch n is computed only after batch n-1 was taken."""
+    model = tiny_target()
+    seqs = [Sequence([1, 2, 3], [4, 5, 6, 7 + i % 5]) for i in range(40)]
+    calls = []
+    cap = TargetCapture(model, [1])
+    orig = cap.__call__
+
+    class Spy(TargetCapture):
+        def __call__(self, input_ids, attention_mask):
+            calls.append(input_ids.shape[0])
+            return orig(input_ids, attention_mask)
+
+    spy = Spy(model, [1])
+    stream = iter_captured(spy, iter_batches(seqs, 8, 0, seed=0, epoch=0))
+    first = next(stream)
+    assert calls == [8] and first.input_ids.shape[0] == 8
+    rest = list(stream)
+    assert len(rest) == 4 and all(c <= 8 for c in calls)
+
+
+def test_batch_order_is_deterministic_and_sharded():
+    seqs = [Sequence([1], [2] * (i % 7 + 1)) for i in range(50)]
+    a = [b["input_ids"].tolist() for b in iter_batches(seqs, 4, 0, seed=1, epoch=2)]
+    b = [b["input_ids"].tolist() for b in iter_batches(seqs, 4, 0, seed=1, epoch=2)]
+    assert a == b
+    r0 = list(iter_batches(seqs, 4, 0, seed=1, epoch=2, rank=0, world=2))
+    r1 = list(iter_batches(seqs, 4, 0, seed=1, epoch=2, rank=1, world=2))
+    assert len(r0) == len(r1) == len(a) // 2
+    skipped = [b["input_ids"].tolist() for b in iter_batches(seqs, 4, 0, seed=1, epoch=2, skip=3)]
+    assert skipped == a[3:]

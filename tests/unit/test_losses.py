@@ -1,0 +1,163 @@
+"""Losses and the Eagle-3 training-time-test unroll they train through."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draftadapt.drafts.eagle3 import Eagle3Config, Eagle3Head
+from draftadapt.train import losses
+from draftadapt.train.forward import Eagle3TTT
+
+V, H, T, B = 16, 32, 12, 2
+
+
+def tiny_head(seed: int = 0, vd: int = V) -> Eagle3Head:
+    cfg = Eagle3Config(hidden_size=H, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                       target_hidden_size=H, target_vocab_size=V, draft_vocab_size=vd, aux_layer_ids=[1, 2, 3],
+                       max_position_embeddings=64)
+    head = Eagle3Head(cfg)
+    head.init_weights(seed, std=0.2)
+    return head
+
+
+def inputs(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    aux = torch.randn(B, T, 3 * H, generator=g)
+    return ids, aux
+
+
+def test_forward_kl_zero_when_draft_equals_target_and_positive_otherwise():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(B, T, V, generator=g)
+    target_logp = torch.log_softmax(logits, -1)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    assert losses.forward_kl(logits, target_logp, mask).item() == pytest.approx(0.0, abs=1e-6)
+    # a restricted target (mass outside the draft vocab) is renormalised: still 0 at equality
+    restricted = target_logp[..., :10]
+    assert losses.forward_kl(restricted.clone(), restricted, mask).item() == pytest.approx(0.0, abs=1e-6)
+    assert losses.forward_kl(torch.zeros(B, T, V), target_logp, mask).item() > 0.01
+
+
+def test_masked_mean_ignores_masked_positions_and_empty_mask_is_zero():
+    g = torch.Generator().manual_seed(1)
+    target_logp = torch.log_softmax(torch.randn(B, T, V, generator=g), -1)
+    draft = torch.randn(B, T, V, generator=g)
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    mask[0, 3] = True
+    full = losses.forward_kl(draft, target_logp, mask)
+    draft2 = draft.clone()
+    draft2[1] += 100 * torch.randn(T, V)  # change only masked-out rows
+    assert losses.forward_kl(draft2, target_logp, mask).item() == pytest.approx(full.item())
+    empty = losses.forward_kl(draft.requires_grad_(), target_logp, torch.zeros_like(mask))
+    assert empty.item() == 0.0
+    empty.backward()
+    assert torch.all(draft.grad == 0)
+
+
+def test_cross_entropy_skips_ids_outside_draft_vocab():
+    logits = torch.zeros(1, 3, 4)
+    logits[0, 0, 2] = 10.0
+    ids = torch.tensor([[2, -1, 1]])
+    mask = torch.tensor([[True, True, False]])
+    assert losses.cross_entropy(logits, ids, mask).item() == pytest.approx(0.0, abs=1e-3)
+
+
+def test_ttt_loss_shapes_weights_and_targets():
+    head = tiny_head()
+    ids, aux = inputs()
+    steps = Eagle3TTT(head, 3)(ids, aux)
+    assert len(steps) == 3 and all(s.shape == (B, T, V) for s in steps)
+    target_logp = torch.log_softmax(torch.randn(B, T, V), -1)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    w = losses.step_weights(3, 0.8)
+    assert w == pytest.approx([1.0, 0.8, 0.64])
+    total, per_step, accs = losses.ttt_loss(steps, target_logp, mask, w)
+    assert total.ndim == 0 and len(per_step) == 3 and len(accs) == 3
+    assert total.item() == pytest.approx(sum(wi * li.item() for wi, li in zip(w, per_step)), rel=1e-5)
+    total.backward()
+    assert head.fc.weight.grad is not None and head.fc.weight.grad.abs().sum() > 0
+    # step i is compared with the target at slot t + i + 1: a draft equal to that target has KL 0
+    exact = [losses.shift_left(target_logp, i + 1, 0.0) for i in range(3)]
+    total, per_step, accs = losses.ttt_loss(exact, target_logp, mask, w)
+    assert total.item() == pytest.approx(0.0, abs=1e-5)
+    assert all(a.item() == pytest.approx(1.0) for a in accs)
+
+
+def test_unroll_step0_is_the_causal_forward():
+    head = tiny_head()
+    ids, aux = inputs()
+    with torch.no_grad():
+        x = head(ids, head.combine(aux))
+        out = head.unroll(ids, aux, 1)[0]
+    torch.testing.assert_close(out, head.logits(x))
+
+
+def test_ttt_mask_no_future_leak():
+    """Step j at slot t may read only slots <= t: perturbing later tokens and aux leaves it unchanged."""
+    head = tiny_head()
+    ids, aux = inputs()
+    t0 = 5
+    with torch.no_grad():
+        ref = Eagle3TTT(head, 3)(ids, aux)
+        ids2, aux2 = ids.clone(), aux.clone()
+        # slot t reads token t + 1 (step 0) and is fed tokens t + 2 .. t + j + 1 (steps 1..j) with
+        # the data feed: change everything from t0 + 4 on (past any slot <= t0's inputs at depth 3)
+        ids2[:, t0 + 4 :] = (ids2[:, t0 + 4 :] + 1) % V
+        aux2[:, t0 + 1 :] += 5.0
+        out = Eagle3TTT(head, 3)(ids2, aux2)
+    for j in range(3):
+        torch.testing.assert_close(out[j][:, : t0 + 1], ref[j][:, : t0 + 1])
+        assert not torch.allclose(out[j][:, t0 + 1 :], ref[j][:, t0 + 1 :])
+
+
+def _incremental_reference(head: Eagle3Head, ids: torch.Tensor, aux: torch.Tensor, t: int, steps: int,
+                           fed: torch.Tensor) -> list[torch.Tensor]:
+    """vLLM's drafting, one query at a time with a KV cache: the step-0 pass writes keys for
+    slots 0..t; speculative step j (query at position t + j) appends one key and attends to all."""
+    layer = head.layers[0]
+    attn = layer.self_attn
+    hidden = head.combine(aux[:, : t + 1])
+    pos0 = torch.arange(t + 1).expand(ids.shape[0], -1)
+    a_in, residual = layer.attn_input(head.embed_tokens(ids[:, : t + 1]), hidden)
+    q, k, v = attn.qkv(a_in, pos0)
+    mask = torch.ones(t + 1, t + 1, dtype=torch.bool).tril()
+    x = layer.finish(attn.attend(q, k, v, mask), residual)
+    outs = [head.logits(x[:, t : t + 1])]
+    keys, values = [k], [v]
+    h = x[:, t : t + 1]
+    for j in range(1, steps):
+        a_in, residual = layer.attn_input(head.embed_tokens(fed[:, j - 1 : j]), h)
+        q, kj, vj = attn.qkv(a_in, torch.full((ids.shape[0], 1), t + j))
+        keys.append(kj)
+        values.append(vj)
+        kk, vv = torch.cat(keys, 2), torch.cat(values, 2)
+        x = layer.finish(attn.attend(q, kk, vv, torch.ones(1, kk.shape[2], dtype=torch.bool)), residual)
+        outs.append(head.logits(x))
+        h = x
+    return outs
+
+
+@pytest.mark.parametrize("t", [0, 4, 9])
+def test_ttt_mask_matches_incremental_kv_cache_drafting(t):
+    """The parallel TTT unroll equals drafting step by step with a KV cache, as vLLM does."""
+    head = tiny_head(seed=3)
+    ids, aux = inputs(seed=4)
+    steps = 3
+    with torch.no_grad():
+        par = head.unroll(ids, aux, steps, feed_ids=lambda j, _l: losses.shift_left(ids, j + 1, 0))
+        fed = ids[:, t + 1 : t + steps]  # tokens fed at steps 1.. for slot t under that feed
+        ref = _incremental_reference(head, ids, aux, t, steps, fed)
+    for j in range(steps):
+        torch.testing.assert_close(par[j][:, t], ref[j][:, 0], rtol=1e-4, atol=1e-5)
+
+
+def test_distill_loss_zero_at_target():
+    g = torch.Generator().manual_seed(2)
+    target_logp = torch.log_softmax(torch.randn(B, T, V, generator=g), -1)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    loss, acc = losses.distill_loss(target_logp.clone(), target_logp, mask)
+    assert loss.item() == pytest.approx(0.0, abs=1e-6) and acc.item() == 1.0
+    with pytest.raises(ValueError):
+        losses.distill_loss(target_logp, target_logp, mask, kind="mse")

@@ -1,0 +1,134 @@
+"""The trainer on tiny models built from config: learning, incremental use, resume, scoring."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from draftadapt.capture.hidden import TargetCapture
+from draftadapt.data.sequences import Sequence, collate, iter_batches
+from draftadapt.drafts.eagle3 import init_from_target
+from draftadapt.train.trainer import DraftTrainer, TrainConfig, lr_lambda, score_draft
+
+V = 24
+
+
+def tiny_target() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=4, head_dim=8, max_position_embeddings=64, tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # a peaked target: something a draft can learn in a few steps
+        model.lm_head.weight.mul_(20.0)
+    return model
+
+
+def tiny_data(n: int = 32, seed: int = 0) -> list[Sequence]:
+    g = torch.Generator().manual_seed(seed)
+    return [Sequence([1] + torch.randint(3, V, (3,), generator=g).tolist(),
+                     torch.randint(3, V, (12,), generator=g).tolist()) for _ in range(n)]
+
+
+def make_trainer(target, method="eagle3", seed=0, **kw):
+    cfg = TrainConfig(batch_size=8, warmup_steps=2, lr=1e-2, seed=seed, **kw)
+    if method == "eagle3":
+        draft = init_from_target(target, [1, 2, 3], None, None, seed)
+    else:
+        from transformers import LlamaConfig as LC
+
+        torch.manual_seed(seed)
+        draft = LlamaForCausalLM(LC(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                    num_attention_heads=4, num_key_value_heads=4, head_dim=8,
+                                    max_position_embeddings=64))
+    return DraftTrainer(draft, method, cfg, total_steps=40)
+
+
+def captured(target, seqs, aux=(1, 2, 3), epoch=0):
+    cap = TargetCapture(target, list(aux) if aux else None)
+    return [cap.capture(b) for b in iter_batches(seqs, 8, 0, seed=0, epoch=epoch)]
+
+
+@pytest.mark.parametrize("method", ["eagle3", "draft_model"])
+def test_a_few_steps_reduce_loss(method):
+    target = tiny_target()
+    batches = captured(target, tiny_data(), aux=(1, 2, 3) if method == "eagle3" else None)
+    tr = make_trainer(target, method)
+    first = tr.train_steps(batches)["train/loss"]
+    for _ in range(4):
+        last = tr.train_steps(batches)  # repeated calls keep the optimizer state
+    assert tr.step == 5 * len(batches)
+    assert last["train/loss"] < 0.85 * first
+    assert {"train/loss", "train/acc_pos_0", "accept/simulated_length", "accept/pos_0", "train/lr"} <= set(last)
+
+
+def test_ce_loss_option_trains():
+    target = tiny_target()
+    batches = captured(target, tiny_data())
+    tr = make_trainer(target, loss="ce")
+    first = tr.train_steps(batches)["train/loss"]
+    for _ in range(3):
+        last = tr.train_steps(batches)["train/loss"]
+    assert last < first
+
+
+def test_resume_from_checkpoint_continues_identically(tmp_path):
+    target = tiny_target()
+    batches = captured(target, tiny_data())
+    more = captured(target, tiny_data(), epoch=1)
+
+    straight = make_trainer(target)
+    straight.train_steps(batches)
+    straight.train_steps(more)
+    ref = {k: v.clone() for k, v in straight.draft.state_dict().items()}
+
+    first = make_trainer(target)
+    first.train_steps(batches)
+    first.save_checkpoint(tmp_path / "ckpt", {"epoch": 1, "batch": 0})
+    first.train_steps(more[:1])  # diverge a little after the checkpoint: the reload must undo it
+
+    resumed = make_trainer(target, seed=123)  # different init: everything must come from the checkpoint
+    state = resumed.load_checkpoint(tmp_path / "ckpt")
+    assert state["epoch"] == 1 and resumed.step == len(batches)
+    resumed.train_steps(more)
+    for k, v in resumed.draft.state_dict().items():
+        torch.testing.assert_close(v, ref[k], rtol=0, atol=0)
+    assert resumed.scheduler.get_last_lr() == straight.scheduler.get_last_lr()
+
+
+def test_checkpoint_of_other_method_is_refused(tmp_path):
+    target = tiny_target()
+    tr = make_trainer(target)
+    tr.save_checkpoint(tmp_path / "c")
+    other = make_trainer(target, "draft_model")
+    with pytest.raises(ValueError, match="eagle3 checkpoint"):
+        other.load_checkpoint(tmp_path / "c")
+    with pytest.raises(FileNotFoundError):
+        tr.load_checkpoint(tmp_path / "missing")
+
+
+def test_score_improves_with_training_and_export_copy():
+    target = tiny_target()
+    data = tiny_data(48)
+    train, held = data[:32], data[32:]
+    batches = captured(target, train)
+    held_b = [TargetCapture(target, [1, 2, 3]).capture(collate(held, 0))]
+    tr = make_trainer(target)
+    before, _ = tr.score(held_b, k=3)
+    for _ in range(8):
+        tr.train_steps(batches)
+    after, uniform = tr.score(held_b, k=3)
+    assert 1.0 <= before.length < after.length <= 4.0
+    assert len(after.per_position) == 3 and uniform.starts >= after.starts
+    # the standalone scorer on the exported copy agrees with the trainer's
+    again, _ = score_draft(tr.export_draft(), held_b, 3)
+    assert again.length == pytest.approx(after.length)
+
+
+def test_lr_schedule():
+    cfg = TrainConfig(warmup_steps=10, schedule="cosine", min_lr_ratio=0.1)
+    f = lr_lambda(cfg, 110)
+    assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0)
+    assert f(10) == pytest.approx(1.0) and f(110) == pytest.approx(0.1)
+    g = lr_lambda(TrainConfig(warmup_steps=0, schedule="constant"), None)
+    assert g(0) == g(1000) == 1.0
