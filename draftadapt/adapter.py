@@ -29,7 +29,7 @@ import torch
 
 from draftadapt.capture.hidden import CapturedBatch, TargetCapture
 from draftadapt.config import ConfigError
-from draftadapt.data.replay import ReplayBuffer
+from draftadapt.data.replay import ReplayBuffer, ReplayItem
 from draftadapt.data.sequences import Sequence as TokenSeq
 from draftadapt.data.sequences import collate
 from draftadapt.data.store import DraftStore
@@ -153,7 +153,10 @@ class DraftAdapter:
 
             vocab = draft_to_target_ids(draft.d2t)
         self.capture = TargetCapture(self.policy, aux, vocab, temperature=self.cfg.temperature)
-        self.replay = ReplayBuffer(self.cfg.replay_max_tokens, self.cfg.replay_max_bytes, self.cfg.recency_decay)
+        self.replay = ReplayBuffer(
+            self.cfg.replay_max_tokens, self.cfg.replay_max_bytes, self.cfg.recency_decay,
+            holdout_fraction=self.cfg.validate_cfg.heldout_fraction, max_heldout=self.cfg.validate_cfg.max_heldout,
+        )
         self.store = DraftStore(out_dir)
         self.rng = random.Random(self.cfg.seed)
         self._steps_since_train = 0
@@ -188,7 +191,7 @@ class DraftAdapter:
                 h = hidden_states[i]
                 if h.shape[0] != len(s):
                     raise ValueError(f"observe: hidden states of rollout {i} cover {h.shape[0]} tokens, the rollout has {len(s)}")
-                extra = {"aux": h.detach().to(torch.bfloat16).cpu()}
+                extra = {"aux_hidden": h.detach().to(torch.bfloat16).cpu()}
             self.replay.add(s.prompt_ids, s.response_ids, policy_version, extra)
         self._steps_since_train += 1
         return len(seqs)
@@ -223,14 +226,19 @@ class DraftAdapter:
 
     # ------------------------------------------------------------------ capture
 
-    def _captured(self, seqs: list[tuple[TokenSeq, dict | None, int]]) -> CapturedBatch:
-        batch = collate([s for s, _, _ in seqs], self.pad_id)
+    def _captured(self, items: list[ReplayItem]) -> CapturedBatch:
+        """Capture a batch against the adapter's current policy copy.
+
+        Handed-over aux hidden states replace the recomputed ones where they were produced by the
+        policy version the adapter now holds (older ones describe a policy that no longer exists).
+        """
+        batch = collate([it.sequence() for it in items], self.pad_id)
         logp, aux = self.capture(batch["input_ids"], batch["attention_mask"])
-        handed = [e for _, e, _ in seqs]
-        if aux is not None and any(e and "aux" in e for e in handed):
-            for r, ((s, e, v), _) in enumerate(zip(seqs, handed)):
-                if e and "aux" in e and v == self.policy_version:
-                    aux[r, : len(s)] = e["aux"].to(aux.dtype)
+        if aux is not None:
+            for r, it in enumerate(items):
+                h = it.tensors.get("aux_hidden")
+                if h is not None and it.policy_version == self.policy_version:
+                    aux[r, : h.shape[0]] = h.to(aux.dtype)
         return CapturedBatch(batch["input_ids"], batch["attention_mask"], batch["loss_mask"], logp, aux)
 
     def _batches(self, items: list, size: int) -> Iterable[CapturedBatch]:
@@ -264,14 +272,16 @@ class DraftAdapter:
             metrics["adapt/skipped"] = 1.0
             return metrics
         t0 = time.perf_counter()
-        heldout, train = self.replay.split_recent(self.cfg.validate_cfg.heldout_fraction,
-                                                  self.cfg.validate_cfg.max_heldout, self.rng)
+        heldout, train = self.replay.split_recent()
+        if not heldout or not train:
+            metrics["adapt/skipped"] = 1.0
+            return metrics
         live = self._live_score
         if live is None:
             live = self.score(self._live_module(), heldout)
         n = self.cfg.schedule.train_steps
         bs = self.cfg.batch_size
-        picks = [self.replay.sample_from(train, bs, self.rng) for _ in range(n)]
+        picks = [self.replay.sample(n_seqs=bs, rng=self.rng, items=train) for _ in range(n)]
         train_metrics = self.trainer.train_steps((self._captured(p) for p in picks), n=n)
         candidate = self.score(self.trainer.export_draft(), heldout)
         metrics.update({k: v for k, v in train_metrics.items() if k.startswith("train/")})
