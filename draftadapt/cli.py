@@ -51,6 +51,14 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--seed", type=int, default=0)
     ev.add_argument("--json", action="store_true", help="print only the JSON object")
 
+    car = sub.add_parser("sidecar", help="train drafts from a spool directory beside an RL run")
+    car.add_argument("--spool", required=True, help="spool directory the RL run writes (draftadapt.spool)")
+    car.add_argument("--out", required=True, help="where versioned drafts are published")
+    car.add_argument("--target", required=True, help="the initial policy (HF model directory)")
+    car.add_argument("--draft", required=True, help="the starting draft directory")
+    car.add_argument("--config", default=None, help="YAML with SidecarConfig fields")
+    car.add_argument("overrides", nargs="*", help="key=value overrides, e.g. adapter.schedule.train_steps=20")
+
     sim = sub.add_parser("simulate", help="project RL step time with speculation and adaptation")
     sim.add_argument("recipe", help="YAML recipe, e.g. recipes/sim_qwen3_8b_sync.yaml")
     sim.add_argument("overrides", nargs="*", help="key=value overrides")
@@ -84,6 +92,10 @@ def main(argv: list[str] | None = None) -> int:
             num_prompts=args.num_prompts, max_tokens=args.max_tokens, seed=args.seed,
             json_only=args.json,
         )
+    if args.command == "sidecar":
+        from draftadapt.sidecar import sidecar_cli
+
+        return sidecar_cli(args.spool, args.out, args.target, args.draft, args.config, args.overrides)
     if args.command == "simulate":
         from draftadapt.sim.cli import run as simulate
 

@@ -1,0 +1,170 @@
+"""Attach mode: ``draftadapt sidecar`` trains drafts from a spool directory, beside any RL run.
+
+    draftadapt sidecar --spool SPOOL --out DRAFTS --target POLICY_DIR --draft DRAFT_DIR [key=value ...]
+
+The RL side writes rollout shards and policy checkpoints with ``draftadapt.spool.SpoolWriter``
+(format: docs/spool-format.md); the sidecar polls the spool, feeds a :class:`DraftAdapter`, and
+publishes versioned drafts into ``DRAFTS/v000001, v000002, ...``. The engine side calls
+:func:`pick_up_latest` between generate calls.
+
+Crash safety (SIGKILL at any moment, then restart with the same command):
+- no spooled rollout is lost: shards are never deleted on read, the cursor of consumed shards is
+  saved atomically, and on restart the replay buffer is rebuilt from the consumed shards;
+- no half-written draft is ever visible and versions only grow (``DraftStore``: temp dir, fsync,
+  rename, then ``LATEST``);
+- a malformed shard is moved to ``SPOOL/quarantine/`` with its reason and the loop goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from draftadapt.adapter import AdapterConfig, DraftAdapter
+from draftadapt.config import ConfigError, load_config
+from draftadapt.data.spool import SpoolCursor, SpoolReader
+from draftadapt.data.store import DraftStore
+from draftadapt.drafts.formats import atomic_write_json
+
+log = logging.getLogger("draftadapt.sidecar")
+STATE_DIR = ".sidecar"
+
+
+@dataclass
+class SidecarConfig:
+    poll_s: float = 1.0  # seconds between spool polls when idle
+    max_idle_s: float = 0.0  # > 0: exit after this long with nothing new (0: run until the spool is finished)
+    exit_when_finished: bool = True  # stop once the RL side called SpoolWriter.finish() and all is consumed
+    log: list[str] = field(default_factory=lambda: ["jsonl", "tensorboard", "stdout"])
+    adapter: AdapterConfig = field(default_factory=AdapterConfig)
+
+
+class Sidecar:
+    def __init__(self, spool: str | Path, out: str | Path, target: str | Path, draft: str | Path,
+                 cfg: SidecarConfig | None = None):
+        from draftadapt.metrics.logger import make_logger
+
+        self.cfg = cfg or SidecarConfig()
+        self.out = Path(out)
+        self.state_dir = self.out / STATE_DIR
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.state_path = self.state_dir / "state.json"
+        self.reader = SpoolReader(spool)
+        self.logger = make_logger(self.cfg.log, self.state_dir, stdout_keys=(
+            "adapt/published", "accept/simulated_length", "train/loss", "draft/published_version"))
+        self.adapter = DraftAdapter(target, draft, self.out, self.cfg.adapter, logger=self.logger)
+        self.cursor = SpoolCursor()
+        self._restore()
+
+    # ------------------------------------------------------------------ state
+
+    def _restore(self) -> None:
+        """After a restart: the consumed shards go back into the replay buffer, the policy to its newest."""
+        if self.state_path.is_file():
+            state = json.loads(self.state_path.read_text())
+            self.cursor = SpoolCursor.from_dict(state["cursor"])
+            rebuilt = 0
+            for ref in self.reader.shards():
+                if ref.name in self.cursor:
+                    try:
+                        shard = self.reader.load(ref)
+                    except Exception as exc:  # noqa: BLE001 - a shard gone bad since: skip it, keep going
+                        log.warning("sidecar: could not reload consumed shard %s: %s", ref.name, exc)
+                        continue
+                    self._observe(shard)
+                    rebuilt += 1
+            log.info("sidecar: restored cursor of %d shards, %d re-read into the replay buffer", len(self.cursor), rebuilt)
+        self._sync_policy()
+
+    def _save(self) -> None:
+        atomic_write_json(self.state_path, {"cursor": self.cursor.to_dict(),
+                                            "policy_version": self.adapter.policy_version})
+
+    def _observe(self, shard) -> None:
+        self.adapter.observe(
+            [(p, r) for p, r in zip(shard.prompt_ids, shard.response_ids)],
+            policy_version=shard.policy_version,
+            hidden_states=shard.aux_hidden,
+        )
+
+    def _sync_policy(self) -> bool:
+        ckpt = self.reader.latest_policy(newer_than=self.adapter.policy_version)
+        if ckpt is None:
+            return False
+        self.adapter.update_policy(ckpt.state_dict(), ckpt.version)
+        log.info("sidecar: policy now at version %d", ckpt.version)
+        return True
+
+    # ------------------------------------------------------------------ loop
+
+    def run_once(self) -> int:
+        """Poll once: new policy, new shards, maybe train and publish. Returns shards consumed."""
+        self._sync_policy()
+        consumed = 0
+        for shard in self.reader.poll(self.cursor):
+            self._observe(shard)
+            self.cursor.mark(shard.name)
+            consumed += 1
+        if consumed:
+            self._save()
+            metrics = self.adapter.step()
+            self.logger.log_dict({**metrics, "spool/shards": float(consumed),
+                                  "replay/seqs": float(len(self.adapter.replay))},
+                                 step=self.adapter.policy_version)
+        return consumed
+
+    def run(self) -> int:
+        idle_since = time.monotonic()
+        while True:
+            if self.run_once():
+                idle_since = time.monotonic()
+                continue
+            if self.cfg.exit_when_finished and self.reader.finished() and not self.reader.pending(self.cursor):
+                log.info("sidecar: the spool is finished and fully consumed; exiting")
+                return 0
+            if self.cfg.max_idle_s and time.monotonic() - idle_since > self.cfg.max_idle_s:
+                log.info("sidecar: idle for %.0f s; exiting", self.cfg.max_idle_s)
+                return 0
+            time.sleep(self.cfg.poll_s)
+
+    def close(self) -> None:
+        self.logger.close()
+
+
+def pick_up_latest(engine, out: str | Path):
+    """Engine side, between generate calls: swap in the newest complete draft the engine may serve.
+
+    Never a version it already serves or an older one, never a draft trained on a newer policy than
+    ``engine.policy_version``. Returns the SwapResult, or None when there is nothing newer.
+    """
+    store = DraftStore(out, readonly=True)
+    current = engine.draft_version if engine.draft_version is not None else -1
+    latest = store.latest(max_policy_version=engine.policy_version, newer_than=current)
+    if latest is None:
+        return None
+    return engine.swap_draft(latest.path)
+
+
+def sidecar_cli(spool: str, out: str, target: str, draft: str, config: str | None, overrides: list[str]) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    try:
+        cfg = load_config(SidecarConfig, config, overrides)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for name, p in (("--spool", spool), ("--target", target), ("--draft", draft)):
+        if not Path(p).exists():
+            print(f"error: {name} {p} does not exist", file=sys.stderr)
+            return 2
+    # SIGTERM: stop between polls; state on disk is always consistent, so nothing to flush.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    car = Sidecar(spool, out, target, draft, cfg)
+    try:
+        return car.run()
+    finally:
+        car.close()
