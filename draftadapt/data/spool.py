@@ -23,7 +23,6 @@ already consumed is still delivered.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -35,7 +34,6 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 import torch
-from safetensors.torch import load as load_safetensors
 from safetensors.torch import load_file
 
 from draftadapt.data.sequences import Sequence
@@ -227,13 +225,13 @@ class SpoolReader:
             raise SpoolFormatError(
                 f"{name}: manifest says step {man['step']}, policy_version {man['policy_version']}; the name says {step}, {pv}"
             )
+        data = self.rollouts_dir / f"{name}.safetensors"
         try:
-            data = (self.rollouts_dir / man["data_file"]).read_bytes()
+            _check_sha(name, file_sha256(data), man["sha256"])
         except FileNotFoundError:
-            raise SpoolFormatError(f"{name}: manifest present but {man['data_file']} is missing") from None
-        _check_sha(name, data, man["sha256"])
+            raise SpoolFormatError(f"{name}: manifest present but {data.name} is missing") from None
         try:
-            t = load_safetensors(data)
+            t = load_file(str(data))
         except Exception as exc:  # safetensors raises its own SafetensorError and others
             raise SpoolFormatError(f"{name}: {man['data_file']} is not readable safetensors ({exc})") from None
         n, total, dim = check_rollout_tensors(t, where=name)
@@ -291,6 +289,10 @@ class SpoolReader:
                 continue  # pruned or quarantined by someone else meanwhile
             except OSError as exc:
                 log.warning("spool: could not read %s (%s); will retry", ref.name, exc)
+                continue
+            except Exception as exc:  # last resort: whatever a shard holds must not stop the consumer
+                log.exception("spool: unexpected error reading %s", ref.name)
+                self.quarantine(ref.name, f"unexpected error while reading it: {type(exc).__name__}: {exc}")
                 continue
             yielded += 1
             yield shard
@@ -494,10 +496,9 @@ def _read_manifest(path: Path, fmt: str) -> dict[str, Any]:
     return man
 
 
-def _check_sha(name: str, data: bytes, want: Any) -> None:
+def _check_sha(name: str, got: str, want: Any) -> None:
     if not isinstance(want, str) or not _SHA_RE.match(want):
         raise SpoolFormatError(f"{name}: manifest sha256 {want!r} is not 64 lowercase hex digits")
-    got = hashlib.sha256(data).hexdigest()
     if got != want:
         raise SpoolFormatError(f"{name}: data sha256 {got[:12]}... does not match the manifest's {want[:12]}... (truncated or corrupt)")
 

@@ -164,12 +164,13 @@ class DraftStore:
         for version in reversed(self._dir_versions()):
             if newer_than is not None and version <= newer_than:
                 return None
+            if max_policy_version is not None:  # cheap check first: skip hashing what cannot qualify
+                pv = _peek_policy_version(self.out_dir / version_dir_name(version))
+                if pv is None or pv > max_policy_version:
+                    continue
             dv = self.get(version)
-            if dv is None:
-                continue
-            if max_policy_version is not None and dv.policy_version > max_policy_version:
-                continue
-            return dv
+            if dv is not None and (max_policy_version is None or dv.policy_version <= max_policy_version):
+                return dv
         return None
 
     def versions(self) -> list[int]:
@@ -288,6 +289,14 @@ class DraftStore:
             dv = self.get(top)
             if dv is not None:
                 self._write_latest(top, dv.policy_version)
+
+
+def _peek_policy_version(path: Path) -> int | None:
+    try:
+        pv = json.loads((path / META_FILE).read_text()).get("policy_version")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return pv if isinstance(pv, int) else None
 
 
 def _meta_problem(meta: Any, version: int) -> str | None:

@@ -398,3 +398,22 @@ def test_policy_bad_input_and_corrupt_checkpoint_is_quarantined(tmp_path):
 
 def test_rollout_name_format_is_fixed_width():
     assert rollout_name(3, 2, "w_ab", 1) == "r000000000003-p000000002-w_ab-000001"
+
+
+def test_an_unexpected_error_on_one_shard_does_not_stop_the_poll(tmp_path, monkeypatch):
+    import draftadapt.data.spool as reader_mod
+
+    w = SpoolWriter(tmp_path)
+    bad = w.write_rollouts(0, 0, [[1]], [[2]]).stem
+    good = w.write_rollouts(1, 0, [[1, 2]], [[3]]).stem
+    real = reader_mod.check_rollout_tensors
+
+    def flaky(t, where):
+        if where == bad:
+            raise IndexError("a bug we did not foresee")
+        return real(t, where)
+
+    monkeypatch.setattr(reader_mod, "check_rollout_tensors", flaky)
+    r = SpoolReader(tmp_path)
+    assert [s.name for s in r.poll()] == [good]
+    assert "IndexError: a bug we did not foresee" in r.quarantined()[bad]

@@ -262,6 +262,7 @@ def test_draft_store_survives_sigkill_of_publishers_and_readers(tmp_path, zygote
             assert all(policy_of[v] == pv for v, pv in logged)
         visible_before = visible
 
+    print(f"store: {ROUNDS} rounds, {len(visible_before)} versions, {rounds_with_leftovers} kills inside a publish")
     assert len(visible_before) > ROUNDS, "too few publishes to mean anything"
     assert rounds_with_leftovers > 0, "no kill landed inside a publish; the test did not test anything"
     reads = (tmp_path / "reader-checks.log").read_text().split()
@@ -318,5 +319,7 @@ def test_spool_survives_sigkill_of_writers_and_the_consumer(tmp_path, zygote):
     consumed = state["consumed"] + drained
     assert len(consumed) == len(set(consumed)), "a shard was consumed twice"
     assert set(consumed) == complete_before, "a complete shard was lost"
+    print(f"spool: {ROUNDS} rounds, {len(complete_before)} shards, {len(drained)} drained at the end, "
+          f"{rounds_with_partials} rounds left a partial write")
     assert len(state["consumed"]) > 0 and len(complete_before) > ROUNDS
     assert rounds_with_partials > 0, "no kill landed inside a shard write; the test did not test anything"
