@@ -15,6 +15,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=int, default=None, help="RL steps (default: recipe's)")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--toy", default=None, help="reuse a toy target built by `toy build`")
+    demo.add_argument("overrides", nargs="*", help="key=value overrides of recipes/toy_grpo.py's DemoConfig")
 
     toy = sub.add_parser("toy", help="the embedded toy RL world")
     toy_sub = toy.add_subparsers(dest="toy_command", required=True)
@@ -103,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from draftadapt.demo import demo_cli
 
-        return demo_cli(out=args.out, steps=args.steps, seed=args.seed, toy=args.toy)
+        return demo_cli(out=args.out, steps=args.steps, seed=args.seed, toy=args.toy, overrides=args.overrides)
     raise AssertionError(args.command)
 
 

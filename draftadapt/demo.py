@@ -22,8 +22,8 @@ def load_recipe():
     return module
 
 
-def demo_cli(out: str, steps: int | None, seed: int, toy: str | None) -> int:
-    argv = ["--out", out, "--seed", str(seed)]
+def demo_cli(out: str, steps: int | None, seed: int, toy: str | None, overrides: list[str] | None = None) -> int:
+    argv = ["--out", out, "--seed", str(seed), *(overrides or [])]
     if steps is not None:
         argv += ["--steps", str(steps)]
     if toy is not None:
