@@ -16,6 +16,7 @@ last checkpoint in ``out/pretrain/checkpoints``. Multi-process: ``accelerate lau
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -78,6 +79,8 @@ class PretrainConfig:
     keep_checkpoints: int = 2
     log: list[str] = field(default_factory=lambda: ["tensorboard", "jsonl"])  # + "stdout"
     log_every: int = 10
+    cache_capture: bool = True  # capture each batch once (float16 shards in out/pretrain/capture), reuse per epoch
+    keep_capture: bool = False  # keep those shards after a finished run (they can be large)
     threads: int = 2  # torch threads for capture and training (the engine is closed by then)
     data: DataConfig = field(default_factory=DataConfig)
     generate: GenerateConfig = field(default_factory=GenerateConfig)
@@ -183,8 +186,9 @@ def _prune_checkpoints(ckpt_dir: Path, keep: int) -> None:
 def pretrain(cfg: PretrainConfig) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from draftadapt.capture.hidden import TargetCapture, iter_captured
-    from draftadapt.data.sequences import collate, iter_batches, load_sequences, steps_per_epoch
+    from draftadapt.capture.hidden import TargetCapture
+    from draftadapt.capture.store import CaptureStore
+    from draftadapt.data.sequences import batch_order, collate, epoch_plan, load_sequences
     from draftadapt.drafts.vocab import draft_to_target_ids
     from draftadapt.metrics.logger import make_logger
     from draftadapt.train.trainer import DraftTrainer, acceptance_metrics, make_accelerator
@@ -216,7 +220,8 @@ def pretrain(cfg: PretrainConfig) -> dict:
     vocab_ids = draft_to_target_ids(draft.d2t) if cfg.method == "eagle3" and draft.cfg.draft_vocab_size != draft.cfg.target_vocab_size else None
     capture = TargetCapture(target_model, aux_ids, vocab_ids, temperature=cfg.generate.temperature)
 
-    per_epoch = steps_per_epoch(len(train_seqs), cfg.train.batch_size, world)
+    order = batch_order([len(s) for s in train_seqs], cfg.train.batch_size, cfg.train.seed)
+    per_epoch = len(order) // world
     total = cfg.max_steps if cfg.max_steps > 0 else per_epoch * cfg.epochs
     trainer = DraftTrainer(draft, cfg.method, cfg.train, total_steps=total, accelerator=accelerator, pad_id=pad_id)
     start_epoch, start_batch = 0, 0
@@ -228,10 +233,19 @@ def pretrain(cfg: PretrainConfig) -> dict:
             print(f"resuming from {latest} (step {trainer.step})", file=sys.stderr)
     logger = make_logger(cfg.log, run, enabled=is_main)
 
+    # Captures depend on what is captured: a changed recipe gets fresh shards, not stale ones.
+    capture_key = hashlib.sha256(json.dumps([aux_ids, None if vocab_ids is None else vocab_ids.tolist(),
+                                     cfg.generate.temperature, cfg.train.batch_size, cfg.train.seed]).encode())
+    store = CaptureStore(run / "capture" / capture_key.hexdigest()[:12]) if cfg.cache_capture else None
+
+    def captured(name: str, seqs):
+        make = lambda: capture.capture(collate(seqs, pad_id))  # noqa: E731
+        return store.get(name, make) if store is not None else make()
+
     def heldout_batches():
         bs = cfg.train.batch_size
         mine = held_seqs[rank::world]
-        return iter_captured(capture, (collate(mine[i : i + bs], pad_id) for i in range(0, len(mine), bs)))
+        return (captured(f"heldout_r{rank}_{i}", mine[i : i + bs]) for i in range(0, len(mine), bs))
 
     def checkpoint(epoch: int, batch: int) -> None:
         trainer.save_checkpoint(ckpt_dir / f"step_{trainer.step}", {"epoch": epoch, "batch": batch})
@@ -247,21 +261,21 @@ def pretrain(cfg: PretrainConfig) -> dict:
     window: dict[str, float] = {}
     for epoch in range(start_epoch, max(cfg.epochs, start_epoch + 1) if cfg.max_steps <= 0 else 10**9):
         batch_idx = start_batch if epoch == start_epoch else 0
-        batches = iter_batches(train_seqs, cfg.train.batch_size, pad_id, cfg.train.seed, epoch, batch_idx, rank, world)
-        for captured in iter_captured(capture, batches):
+        for b in epoch_plan(len(order), cfg.train.seed, epoch, batch_idx, rank, world):
             if trainer.step >= total:
                 break
-            m = trainer.train_step(captured)
+            batch = captured(f"train_{b}", [train_seqs[i] for i in order[b]])
+            m = trainer.train_step(batch)
             batch_idx += 1
-            for key, v in m.items():
-                window[key] = window.get(key, 0.0) + v
+            for name, v in m.items():
+                window[name] = window.get(name, 0.0) + v
             window["_n"] = window.get("_n", 0.0) + 1
             bar.update()
             bar.set_postfix(loss=f"{m['train/loss']:.3f}", acc0=f"{m.get('train/acc_pos_0', 0):.2f}",
                             sim=f"{m['accept/simulated_length']:.2f}")
             if trainer.step % cfg.log_every == 0:
                 cnt = window.pop("_n")
-                logger.log_dict({key: v / cnt for key, v in window.items()}, trainer.step)
+                logger.log_dict({name: v / cnt for name, v in window.items()}, trainer.step)
                 window = {}
             if cfg.eval_every and trainer.step % cfg.eval_every == 0:
                 visited, _ = trainer.score(heldout_batches(), cfg.k)
@@ -307,6 +321,8 @@ def pretrain(cfg: PretrainConfig) -> dict:
             from draftadapt.drafts.small_lm import export_small_lm
 
             export_small_lm(draft_out, out, target, meta=meta)
+        if store is not None and not cfg.keep_capture:
+            shutil.rmtree(run / "capture", ignore_errors=True)
         summary["seconds"] = round(time.perf_counter() - t_start, 1)
         (run / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     accelerator.wait_for_everyone()

@@ -86,13 +86,10 @@ def collate(seqs: list[Sequence], pad_id: int, max_len: int | None = None) -> di
             "prompt_lens": prompt_lens, "lengths": lengths}
 
 
-def batch_order(lengths: list[int], batch_size: int, seed: int, epoch: int, bucket: int = 8) -> list[list[int]]:
-    """Deterministic batches of indices for one epoch: shuffled, grouped by length within buckets.
-
-    The same (seed, epoch) gives the same batches on every run, which is what lets a resumed run
-    skip the batches it already trained on and continue identically.
-    """
-    rng = random.Random(seed * 1_000_003 + epoch)
+def batch_order(lengths: list[int], batch_size: int, seed: int, bucket: int = 8) -> list[list[int]]:
+    """The run's fixed batches of indices: shuffled, grouped by length within buckets of
+    ``bucket`` batches (little padding), in a deterministic order for ``seed``."""
+    rng = random.Random(seed * 1_000_003)
     idx = list(range(len(lengths)))
     rng.shuffle(idx)
     batches: list[list[int]] = []
@@ -104,18 +101,30 @@ def batch_order(lengths: list[int], batch_size: int, seed: int, epoch: int, buck
     return batches
 
 
+def epoch_plan(num_batches: int, seed: int, epoch: int, skip: int = 0, rank: int = 0,
+               world: int = 1) -> list[int]:
+    """Which of the fixed batches this rank trains on in ``epoch``, in order (batch ids).
+
+    Epoch 0 takes them in their stored order, later epochs in a permutation drawn from
+    (seed, epoch): the same on every run, which is what lets a resumed run skip the ``skip``
+    steps it already took and continue identically. Every rank gets the same number of steps.
+    """
+    order = list(range(num_batches))
+    if epoch > 0:
+        random.Random(seed * 1_000_003 + epoch).shuffle(order)
+    usable = num_batches - num_batches % world
+    return [order[n] for n in range(skip * world, usable) if n % world == rank]
+
+
 def iter_batches(
     seqs: list[Sequence], batch_size: int, pad_id: int, seed: int, epoch: int, skip: int = 0,
     rank: int = 0, world: int = 1,
 ) -> Iterator[dict[str, torch.Tensor]]:
-    """Padded batches for one epoch; rank r of ``world`` takes every world-th batch (data parallel)."""
-    order = batch_order([len(s) for s in seqs], batch_size, seed, epoch)
-    usable = len(order) - len(order) % world  # every rank takes the same number of steps
-    for n in range(skip * world, usable):
-        if n % world == rank:
-            yield collate([seqs[i] for i in order[n]], pad_id)
+    """Padded batches for one epoch (see :func:`epoch_plan`); rank r of ``world`` gets its share."""
+    order = batch_order([len(s) for s in seqs], batch_size, seed)
+    for b in epoch_plan(len(order), seed, epoch, skip, rank, world):
+        yield collate([seqs[i] for i in order[b]], pad_id)
 
 
 def steps_per_epoch(num_seqs: int, batch_size: int, world: int = 1) -> int:
-    lengths = [0] * num_seqs
-    return len(batch_order(lengths, batch_size, 0, 0)) // world
+    return len(batch_order([0] * num_seqs, batch_size, 0)) // world

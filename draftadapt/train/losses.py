@@ -24,7 +24,8 @@ def forward_kl(draft_logits: torch.Tensor, target_logp: torch.Tensor, mask: torc
     """
     logp = torch.log_softmax(target_logp.float(), dim=-1)  # [..., Vd] restricted + renormalised
     logq = torch.log_softmax(draft_logits.float(), dim=-1)
-    kl = (logp.exp() * (logp - logq)).sum(-1)  # [...]
+    p = logp.exp()
+    kl = torch.where(p > 0, p * (logp - logq), torch.zeros_like(p)).sum(-1)  # [...]; 0 log 0 = 0
     return _masked_mean(kl, mask)
 
 
