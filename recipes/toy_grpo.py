@@ -126,10 +126,9 @@ def prepare_world(cfg: DemoConfig, out: Path) -> tuple[Path, Path]:
 def measure(engine: RolloutEngine, prompts: list[str], cfg: DemoConfig) -> dict:
     res = engine.generate(prompts, temperature=cfg.grpo.temperature, max_tokens=cfg.eval.max_tokens,
                           seed=cfg.eval.seed)
-    out = {"tokens_per_s": res.tokens_per_s, "tokens": res.num_tokens}
-    if res.spec.drafts:
-        out["acceptance_length"] = res.spec.acceptance_length
-        out["per_position"] = res.spec.per_position_rate
+    out = {"tokens_per_s": res.tokens_per_s, "tokens": res.num_tokens,
+           "acceptance_length": res.spec.acceptance_length,  # nan without speculation
+           "per_position": res.spec.per_position_rate}
     return out
 
 
@@ -149,7 +148,7 @@ def run(cfg: DemoConfig) -> dict:
     pad_id = int(policy.config.pad_token_id or 0)
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg.grpo.lr, betas=(0.9, 0.99))
     logger = make_logger(["tensorboard", "jsonl"], out)
-    adapter = DraftAdapter(toy, draft0, out / "drafts", cfg.adapter, logger=logger)
+    adapter = DraftAdapter(toy, draft0, out / "drafts", cfg.adapter)  # its metrics land in our row
     spec = RolloutEngine(toy, draft0, method="eagle3", num_speculative_tokens=cfg.k,
                          threads=cfg.engine_threads, seed=cfg.seed)
     plain = RolloutEngine(toy, None, threads=cfg.engine_threads, seed=cfg.seed)
@@ -205,7 +204,7 @@ def run(cfg: DemoConfig) -> dict:
                 "tps/adapted": m_adapted["tokens_per_s"],
                 "draft/age_policy_versions": float(version - adapter.store.latest().policy_version),
             })
-            logger.log_dict({k: v for k, v in row.items() if isinstance(v, float)}, step=step)
+            logger.log_dict({k: v for k, v in row.items() if isinstance(v, float)}, step=version)
             history.append(row)
             print(f"[demo] step {step + 1:3d}/{cfg.grpo.steps} reward {row['rl/reward']:.3f} "
                   f"acc {row['rl/accuracy']:.2f} style {row['rl/style_frac']:.2f} | accept frozen "
@@ -232,6 +231,7 @@ def summarize(cfg: DemoConfig, history: list[dict], arms: dict, seconds: float) 
     last = max(1, n // 3)
 
     def mean(xs):
+        xs = [x for x in xs if x == x]  # drop nan (a step where nothing was drafted)
         return sum(xs) / len(xs) if xs else float("nan")
 
     s = {"steps": n, "seconds": seconds, "reward_per_step": [h["rl/reward"] for h in history],

@@ -38,6 +38,15 @@ WEIGHTS_FILE = "model.safetensors"
 EAGLE3_ARCH = "LlamaForCausalLMEagle3"
 
 
+def _current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _current_umask()
+
+
 class DraftFormatError(ValueError):
     """A draft directory that cannot serve the given target; the message says why and what to do."""
 
@@ -100,6 +109,8 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        # mkstemp creates 0600; the RL run, the sidecar and the engine may be different users.
+        os.chmod(tmp, 0o666 & ~_UMASK)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

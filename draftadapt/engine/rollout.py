@@ -110,22 +110,53 @@ class SwapResult:
     ms: float  # wall time of the swap round trip
 
 
-def _read_spec_counters(llm) -> SpecMetrics:
-    out = SpecMetrics()
-    for m in llm.get_metrics():
-        if m.name == "vllm:spec_decode_num_drafts":
-            out.drafts += int(m.value)
-        elif m.name == "vllm:spec_decode_num_draft_tokens":
-            out.draft_tokens += int(m.value)
-        elif m.name == "vllm:spec_decode_num_accepted_tokens":
-            out.accepted_tokens += int(m.value)
-        elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
-            vals = [int(v) for v in m.values]
-            if len(out.accepted_per_pos) < len(vals):
-                out.accepted_per_pos += [0] * (len(vals) - len(out.accepted_per_pos))
-            for i, v in enumerate(vals):
-                out.accepted_per_pos[i] += v
-    return out
+class _SpecCounter:
+    """A vLLM stat logger of this engine's own: sums the scheduler's speculative-decoding stats.
+
+    vLLM's Prometheus metrics live in one process-wide registry that every new ``LLM`` clears
+    (``unregister_vllm_metrics``), so with two engines in one process (a plain and a speculative
+    arm) ``llm.get_metrics()`` stops seeing the first one's counters. This logger is attached to
+    one engine's ``logger_manager`` and counts what that engine's scheduler reports.
+    """
+
+    def __init__(self):
+        self.totals = SpecMetrics()
+
+    def record(self, scheduler_stats, iteration_stats=None, mm_cache_stats=None, engine_idx=0):
+        stats = getattr(scheduler_stats, "spec_decoding_stats", None)
+        if stats is None:
+            return
+        t = self.totals
+        t.drafts += int(stats.num_drafts)
+        t.draft_tokens += int(stats.num_draft_tokens)
+        t.accepted_tokens += int(stats.num_accepted_tokens)
+        per = list(stats.num_accepted_tokens_per_pos)
+        if len(t.accepted_per_pos) < len(per):
+            t.accepted_per_pos += [0] * (len(per) - len(t.accepted_per_pos))
+        for i, v in enumerate(per):
+            t.accepted_per_pos[i] += int(v)
+
+    def log_engine_initialized(self):
+        pass
+
+    def log(self):
+        pass
+
+    def record_sleep_state(self, *args, **kwargs):
+        pass
+
+    def snapshot(self) -> SpecMetrics:
+        t = self.totals
+        return SpecMetrics(t.drafts, t.draft_tokens, t.accepted_tokens, list(t.accepted_per_pos))
+
+
+def _attach_spec_counter(llm) -> _SpecCounter:
+    manager = getattr(llm.llm_engine, "logger_manager", None)
+    if manager is None:
+        raise RuntimeError("this vLLM engine has no stat logger manager; start it with disable_log_stats=False")
+    counter = _SpecCounter()
+    manager.stat_loggers.append(counter)
+    return counter
 
 
 def _delta(after: SpecMetrics, before: SpecMetrics) -> SpecMetrics:
@@ -217,6 +248,7 @@ class RolloutEngine:
                 else:
                     os.environ["OMP_NUM_THREADS"] = saved_threads
         self.startup_s = time.perf_counter() - t0
+        self._spec_counter = _attach_spec_counter(self.llm)
         self.tokenizer = self.llm.get_tokenizer()
         self._draft_version = meta.get("version")
         self._draft_sha = meta.get("sha256")
@@ -237,7 +269,8 @@ class RolloutEngine:
         return results[0]
 
     def spec_counters(self) -> SpecMetrics:
-        return _read_spec_counters(self.llm)
+        """Cumulative speculative-decoding counters of this engine since it started."""
+        return self._spec_counter.snapshot()
 
     def generate(
         self,
