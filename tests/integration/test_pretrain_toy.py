@@ -1,0 +1,99 @@
+"""`draftadapt pretrain` end to end on the toy target: regenerate, capture, train, export, resume.
+
+Drives the real CLI with small overrides (a few dozen prompts, a few steps) and checks what it
+wrote and logged; then serves the exported drafts in vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+SMALL = ["data.num_prompts=48", "data.heldout_prompts=16", "generate.max_tokens=64", "train.batch_size=16",
+         "checkpoint_every=2", "log=[jsonl,tensorboard]", "log_every=1", "train.warmup_steps=1"]
+
+
+def run_cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    proc = subprocess.run([sys.executable, "-m", "draftadapt.cli", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc
+
+
+def last_json(text: str) -> dict:
+    return json.loads([line for line in text.splitlines() if line.startswith("{")][-1])
+
+
+@pytest.fixture(scope="module")
+def eagle3_run(toy_target, tmp_path_factory) -> tuple[Path, dict, str]:
+    out = tmp_path_factory.mktemp("pretrain") / "eagle3"
+    proc = run_cli("pretrain", "recipes/pretrain_eagle3_toy.yaml", f"target={toy_target}", f"out={out}",
+                   "max_steps=2", *SMALL)
+    return out, last_json(proc.stdout), proc.stderr
+
+
+def test_eagle3_pretrain_writes_a_loadable_draft(eagle3_run, toy_target):
+    from draftadapt.drafts.formats import check_draft_for_target, load_eagle3
+
+    out, summary, _ = eagle3_run
+    assert summary["method"] == "eagle3" and summary["steps"] == 2
+    assert 1.0 <= summary["acceptance_length_simulated"] <= 4.0 and len(summary["per_position_acceptance"]) == 3
+    meta = check_draft_for_target(out, toy_target)  # what the engine checks before starting
+    assert meta["method"] == "eagle3" and meta["format"] == "speculators"
+    head = load_eagle3(out, toy_target)
+    assert head.cfg.aux_layer_ids == sorted(set(head.cfg.aux_layer_ids))
+    # the data are the target's own responses, regenerated through vLLM
+    rows = [json.loads(line) for line in (out / "pretrain/data/train.jsonl").read_text().splitlines()]
+    assert len(rows) == 48 and all(r["response_ids"] for r in rows)
+
+
+def test_eagle3_pretrain_logged_the_namespaced_scalars(eagle3_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out, _, _ = eagle3_run
+    rows = [json.loads(line) for line in (out / "pretrain/metrics.jsonl").read_text().splitlines()]
+    keys = set().union(*rows)
+    assert {"train/loss", "train/acc_pos_0", "train/acc_pos_2", "accept/simulated_length", "heldout/simulated_length"} <= keys
+    acc = EventAccumulator(str(out / "pretrain/tb"))
+    acc.Reload()
+    assert {"train/loss", "train/acc_pos_0", "accept/simulated_length"} <= set(acc.Tags()["scalars"])
+
+
+def test_eagle3_pretrain_resumes_from_the_last_checkpoint(eagle3_run, toy_target):
+    out, _, _ = eagle3_run
+    assert (out / "pretrain/checkpoints/step_2/trainer_state.json").is_file()
+    proc = run_cli("pretrain", "recipes/pretrain_eagle3_toy.yaml", f"target={toy_target}", f"out={out}",
+                   "max_steps=4", *SMALL)
+    assert "resuming from" in proc.stderr and "step_2" in proc.stderr
+    assert "regenerating" not in proc.stderr  # the data of the interrupted run are reused
+    assert last_json(proc.stdout)["steps"] == 4
+
+
+def test_draft_lm_pretrain_and_vllm_serves_both(eagle3_run, toy_target, tmp_path):
+    import shutil
+
+    from draftadapt.engine.rollout import RolloutEngine
+
+    out = tmp_path / "draft_lm"
+    # reuse the regenerated data: this test is about the draft LM path, not regeneration
+    shutil.copytree(eagle3_run[0] / "pretrain/data", out / "pretrain/data")
+    proc = run_cli("pretrain", "recipes/pretrain_draft_lm_toy.yaml", f"target={toy_target}", f"out={out}",
+                   "max_steps=2", *SMALL)
+    summary = last_json(proc.stdout)
+    assert summary["method"] == "draft_model" and (out / "config.json").is_file()
+    engine = RolloutEngine(toy_target, out, method="draft_model", num_speculative_tokens=3, max_model_len=256,
+                           max_num_seqs=8, kv_cache_gib=1)
+    try:
+        res = engine.generate(["12+34=", "7*8="], temperature=1.0, max_tokens=16, seed=0)
+        assert res.spec.drafts > 0 and all(r.token_ids for r in res.rollouts)
+    finally:
+        engine.close()
