@@ -279,6 +279,7 @@ class DraftAdapter:
         live = self._live_score
         if live is None:
             live = self.score(self._live_module(), heldout)
+        self._refresh_shared_embeddings()
         n = self.cfg.schedule.train_steps
         bs = self.cfg.batch_size
         picks = [self.replay.sample(n_seqs=bs, rng=self.rng, items=train) for _ in range(n)]
@@ -306,6 +307,13 @@ class DraftAdapter:
         if self.logger is not None:
             self.logger.log_dict(metrics, step=self.policy_version)
         return metrics
+
+    def _refresh_shared_embeddings(self) -> None:
+        """A head that shares the target's embed_tokens sees the policy's current ones (as in vLLM)."""
+        head = self.trainer.draft
+        if self.cfg.method == "eagle3" and head.cfg.share_embeddings:
+            with torch.no_grad():
+                head.embed_tokens.weight.copy_(self.policy.get_input_embeddings().weight)
 
     def _live_module(self):
         latest = self.store.latest()

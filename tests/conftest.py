@@ -42,8 +42,14 @@ def cached_build(name: str, build, *source_dirs: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def toy_target() -> Path:
-    """The trained toy target (llama), built with `draftadapt toy build` semantics, seed 0."""
+    """The trained toy target (llama), built with `draftadapt toy build` semantics, seed 0.
+
+    DRAFTADAPT_TEST_TOY=DIR reuses a toy you already built (`draftadapt toy build --out DIR`).
+    """
     from draftadapt.toy.build import build
+
+    if os.environ.get("DRAFTADAPT_TEST_TOY"):
+        return Path(os.environ["DRAFTADAPT_TEST_TOY"])
 
     def _build(out: Path) -> None:
         result = build(str(out), arch="llama", seed=0)

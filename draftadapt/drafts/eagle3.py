@@ -41,6 +41,9 @@ class Eagle3Config:
     # False: the residual is the raw fc output (original EAGLE-3). speculators' exports default
     # to True, so the flag is always written explicitly on export.
     norm_before_residual: bool = False
+    # True: the head uses the target's own embed_tokens (not exported; vLLM shares the target's
+    # module and it follows every policy update). False: the head ships its own, distinct copy.
+    share_embeddings: bool = True
     target_model_type: str = "llama"  # which target family this head was built for
     target_num_layers: int = 0
 
@@ -313,6 +316,9 @@ def init_from_target(target, aux_layer_ids: list[int] | None, draft_vocab: int |
         d2t, t2d = build_vocab_map(counts, vd)
         head.d2t.copy_(d2t)
         head.t2d.copy_(t2d)
+    # Shared with the target (vLLM serves the target's module): frozen here, refreshed from the
+    # policy before training, never exported.
+    head.embed_tokens.weight.requires_grad_(not cfg.share_embeddings)
     return head
 
 

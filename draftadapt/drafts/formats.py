@@ -164,6 +164,8 @@ def eagle3_state_dict(head: Eagle3Head, fmt: str) -> dict[str, torch.Tensor]:
     sd["t2d"] = head.t2d.to(torch.bool).clone()
     if head.cfg.draft_vocab_size == head.cfg.target_vocab_size:
         del sd["d2t"], sd["t2d"]
+    if head.cfg.share_embeddings:
+        del sd["embed_tokens.weight"]  # vLLM then serves the target's own embed_tokens
     if fmt == "eagle":
         sd = {k.replace("layers.0.", "midlayer.", 1): v for k, v in sd.items()}
     return sd
@@ -182,6 +184,11 @@ def export_eagle3(
     cfg = head.cfg
     fp = target_fingerprint(target_dir)
     _check_head_fits(cfg, fp, where=f"export to {out}")
+    if not cfg.share_embeddings and torch.equal(head.embed_tokens.weight.detach().float(), _target_embeddings(target_dir)):
+        # vLLM shares a draft embedding identical to the target's; a later swap would then write
+        # into the policy's module. Say it: the embeddings are shared.
+        cfg.share_embeddings = True
+        head.embed_tokens.weight.requires_grad_(False)
     aux = list(cfg.aux_layer_ids)
     explicit = {
         "draft_vocab_size": cfg.draft_vocab_size,
@@ -222,10 +229,11 @@ def export_eagle3(
         "format": fmt,
         "head_config": cfg.to_dict(),
         "target": fp,
-        "shared_modules": [],
+        "shared_modules": ["embed_tokens"] if cfg.share_embeddings else [],
         "max_position_embeddings": cfg.max_position_embeddings,
         **(meta or {}),
     }
+    config["shared_modules"] = info["shared_modules"]
     return _write_draft_dir(out, config, sd, info)
 
 
@@ -332,7 +340,6 @@ def load_eagle3(draft_dir: str | Path, target_dir: str | Path | None = None) -> 
         target_model_type=(tfp or {}).get("model_type") or "llama",
         target_num_layers=(tfp or {}).get("num_hidden_layers") or 0,
     )
-    head = Eagle3Head(cfg)
     if "embed_tokens.weight" not in sd:
         if target_dir is None:
             raise DraftFormatError(
@@ -340,6 +347,12 @@ def load_eagle3(draft_dir: str | Path, target_dir: str | Path | None = None) -> 
                 "they can be copied in"
             )
         sd["embed_tokens.weight"] = _target_embeddings(target_dir)
+        cfg.share_embeddings = True
+    else:
+        # an own copy identical to the target's is shared by vLLM all the same
+        cfg.share_embeddings = target_dir is not None and torch.equal(
+            sd["embed_tokens.weight"].float(), _target_embeddings(target_dir))
+    head = Eagle3Head(cfg)
     if "d2t" not in sd:
         sd["d2t"] = torch.zeros(vd, dtype=torch.int64)
     if "t2d" not in sd:
@@ -359,6 +372,7 @@ def load_eagle3(draft_dir: str | Path, target_dir: str | Path | None = None) -> 
     if problems:
         raise DraftFormatError(f"{draft_dir}: weights do not match its config: " + "; ".join(problems))
     head.load_state_dict({k: sd[k].to(expected[k].dtype) for k in expected})
+    head.embed_tokens.weight.requires_grad_(not cfg.share_embeddings)
     check_vocab_map(head.d2t, head.t2d, vt, where=str(draft_dir))
     if tfp is not None:
         _check_head_fits(cfg, tfp, where=str(draft_dir))

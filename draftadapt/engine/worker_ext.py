@@ -15,15 +15,16 @@ from pathlib import Path
 import torch
 
 
-def module_checksum(module: torch.nn.Module) -> str:
+def module_checksum(module: torch.nn.Module, exclude: set[str] = frozenset()) -> str:
     """A fingerprint of the weights a module serves with, as read back from its parameters.
 
     Layout-independent (CPU GEMM repacking permutes storage but keeps values), so it changes when
     and only when the values change: per parameter, the float64 sum and sum of squares.
+    ``exclude``: parameter names left out (a draft's modules shared with the target).
     """
     h = hashlib.sha256()
     for name, p in sorted(module.named_parameters(), key=lambda kv: kv[0]):
-        if p.numel() == 0:
+        if p.numel() == 0 or name in exclude:
             continue
         x = p.detach().to(torch.float64)
         h.update(f"{name}:{x.sum().item():.9e}:{x.pow(2).sum().item():.9e};".encode())
@@ -54,23 +55,50 @@ class DraftAdaptWorkerExtension:
             model.load_weights(iter(weights.items()))
             finalize_layerwise_reload(model, model_config)
 
+    def _da_shared(self, draft: torch.nn.Module) -> set[str]:
+        """Draft parameter names that are the target's own tensors (vLLM shares identical embeddings)."""
+        target = {id(p) for p in self.get_model().parameters()}
+        return {n for n, p in draft.named_parameters() if id(p) in target}
+
     def da_draft_state(self) -> dict:
         draft = self.get_draft_model()
         if draft is None:
-            return {"checksum": None, "version": None}
-        return {"checksum": module_checksum(draft), "version": getattr(self, "_da_draft_version", None)}
+            return {"checksum": None, "version": None, "shared": []}
+        shared = self._da_shared(draft)
+        return {"checksum": module_checksum(draft, shared), "version": getattr(self, "_da_draft_version", None),
+                "shared": sorted(shared)}
 
     def da_load_draft(self, path: str, sha256: str | None, version: int | None) -> dict:
-        """Load a published draft file into the running drafter; returns the new state and ms."""
+        """Load a published draft file into the running drafter; returns the new state and ms.
+
+        A tensor aimed at a module the draft shares with the target (e.g. ``embed_tokens``) would
+        overwrite the policy: refused, unless it equals what serves already (then it is a no-op).
+        """
         t0 = time.perf_counter()
         draft = self.get_draft_model()
         if draft is None:
             raise RuntimeError("this engine was started without a draft; nothing to swap")
         weights = _read_checkpoint(path, sha256)
+        shared = self._da_shared(draft)
+        if shared:
+            params = dict(draft.named_parameters())
+            for ckpt_name in list(weights):
+                hit = [n for n in shared if n.endswith(ckpt_name.removeprefix("model."))]
+                if not hit:
+                    continue
+                live = params[hit[0]]
+                if live.shape == weights[ckpt_name].shape and torch.equal(live.detach().cpu(), weights[ckpt_name].to(live.dtype)):
+                    del weights[ckpt_name]
+                    continue
+                raise ValueError(
+                    f"{path}: {ckpt_name} would overwrite the target's shared {hit[0]} (the policy); "
+                    "export the draft without it (shared embeddings) or with its own distinct copy from the start"
+                )
         self._da_reload(draft, weights, self.vllm_config.speculative_config.draft_model_config)
         self._da_draft_version = version
         ms = (time.perf_counter() - t0) * 1e3
-        return {"checksum": module_checksum(draft), "version": version, "worker_ms": ms}
+        return {"checksum": module_checksum(draft, shared), "version": version, "worker_ms": ms,
+                "shared": sorted(shared)}
 
     def da_load_policy(self, path: str, sha256: str | None) -> dict:
         t0 = time.perf_counter()

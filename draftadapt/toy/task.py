@@ -1,17 +1,22 @@
-"""The toy task family: column arithmetic with a worked answer and a checkable result.
+"""The toy task family: a chain of additions and subtractions, worked left to right.
 
-A problem is a prompt such as ``"347+85="``; its response works the columns right to
-left and ends in the final answer after ``#``::
+A problem is a prompt such as ``"7+5-3+18-2="``; its response works the chain one term
+at a time and ends in the final answer after ``#``::
 
-    347+85=   7+5=12 4+8+1=13 3+1=4 #432                      (style "terse")
-              c1 7+5=12, c2 4+8+1=13, c3 3+1=4, so #432       (style "verbose")
-    4096*7=   6*7=42 9*7+4=67 0*7+6=6 4*7=28 #28672           (style "terse")
+    7+5-3+18-2=   7+5=12 12-3=9 9+18=27 27-2=25 #25                         (style "terse")
+                  7+5 is 12, 12-3 is 9, 9+18 is 27, 27-2 is 25, so #25      (style "verbose")
 
-Two operations share the same right-to-left column walk: ``a+b`` (a, b up to 4 digits)
-and ``a*d`` (a up to 4 digits, d one digit). The training data mixes the styles at
-random, so a policy has a style choice that RL can shift; the reward checks only the
-final answer. Responses are 15-75 characters of mostly predictable text (the worked
-steps), which is what a speculative draft can learn to guess.
+Chains have 2-``MAX_TERMS`` terms, mostly single digits with some two-digit ones; the
+running total never goes below zero. Longer chains and two-digit terms are harder, so a
+small model trained for minutes solves part of the task: room for RL to improve. The
+training data mixes the styles at random, so a policy has a style choice that RL can
+shift; the reward checks only the final answer. Responses are mostly predictable text
+(each step starts by copying the previous total and the next term from the prompt),
+which is what a speculative draft can learn to guess.
+
+Why left to right: each step needs the next term of the prompt, which an induction
+head finds (the term after the one used last). Column arithmetic worked right to left
+needs digits counted from the end of an operand, which tiny models learn far slower.
 
 Everything here is pure and deterministic given a seed: ``sample_problems(n, seed)``
 returns the same list on every machine.
@@ -25,58 +30,40 @@ import re
 from pathlib import Path
 
 STYLES = ("terse", "verbose")
-OPS = ("+", "*")
-MAX_DIGITS = 4  # operand length; responses stay under 80 characters at this size
+MIN_TERMS, MAX_TERMS = 3, 7  # 7 terms of 2 digits, verbose: 120 tokens with <s>, </s>
+TWO_DIGIT_P = 0.25  # share of terms drawn from 10-99 instead of 1-9
 
 # Every character a prompt or a response can contain; the tokenizer is built from it.
-ALPHABET = "0123456789+*=#:,. cos"
+ALPHABET = "0123456789+-=#, iso"
 
-_PROMPT_RE = re.compile(r"^\s*(\d+)([+*])(\d+)=\s*$")
+_PROMPT_RE = re.compile(r"^\s*(\d+(?:[+-]\d+)+)=\s*$")
+_TERM_RE = re.compile(r"([+-]?)(\d+)")
 _FINAL_RE = re.compile(r"#(\d+)\s*$")
 
 
-def _digits(rng: random.Random, lo: int, hi: int) -> int:
-    """A number whose length is uniform in [lo, hi] digits (no leading zero)."""
-    n = rng.randint(lo, hi)
-    return rng.randint(10 ** (n - 1) if n > 1 else 0, 10**n - 1)
+def _terms(prompt: str) -> list[int]:
+    """Signed terms of a prompt such as ``"7+5-3="``: [7, 5, -3]."""
+    m = _PROMPT_RE.match(prompt)
+    if m is None:
+        raise ValueError(
+            f"prompt {prompt!r} is not a toy problem; expected numbers joined by '+'/'-', then '='"
+        )
+    return [int(n) * (-1 if sign == "-" else 1) for sign, n in _TERM_RE.findall(m.group(1))]
 
 
-def solve(a: int, op: str, b: int) -> int:
-    if op == "+":
-        return a + b
-    if op == "*":
-        return a * b
-    raise ValueError(f"unknown operation {op!r}; the toy task has {OPS}")
-
-
-def _column_steps(a: int, op: str, b: int) -> list[str]:
-    """One string per column, right to left: ``"4+8+1=13"`` (the carry in comes last)."""
-    steps, carry = [], 0
-    if op == "+":
-        # The shorter operand is padded with zeros so every column reads "x+y" or "x+y+c".
-        width = max(len(str(a)), len(str(b)))
-        da, db = str(a).zfill(width)[::-1], str(b).zfill(width)[::-1]
-        for x, y in zip(da, db):
-            total = int(x) + int(y) + carry
-            steps.append(f"{x}+{y}" + (f"+{carry}" if carry else "") + f"={total}")
-            carry = total // 10
-    else:
-        for ch in str(a)[::-1]:
-            total = int(ch) * b + carry
-            steps.append(f"{ch}*{b}" + (f"+{carry}" if carry else "") + f"={total}")
-            carry = total // 10
-    return steps
-
-
-def format_response(a: int, op: str, b: int, style: str) -> str:
-    """The worked answer for ``a op b`` in one of ``STYLES``."""
-    steps = _column_steps(a, op, b)
-    answer = solve(a, op, b)
+def format_response(terms: list[int], style: str) -> str:
+    """The worked answer for a chain of signed ``terms`` in one of ``STYLES``."""
+    if style not in STYLES:
+        raise ValueError(f"unknown style {style!r}; the toy task has {STYLES}")
+    total, steps = terms[0], []
+    for t in terms[1:]:
+        new = total + t
+        op = f"{total}{'+' if t >= 0 else '-'}{abs(t)}"
+        steps.append(f"{op}={new}" if style == "terse" else f"{op} is {new}")
+        total = new
     if style == "terse":
-        return " ".join(steps) + f" #{answer}"
-    if style == "verbose":
-        return ", ".join(f"c{i + 1} {s}" for i, s in enumerate(steps)) + f", so #{answer}"
-    raise ValueError(f"unknown style {style!r}; the toy task has {STYLES}")
+        return " ".join(steps) + f" #{total}"
+    return ", ".join(steps) + f", so #{total}"
 
 
 def make_problem(rng: random.Random, style: str | None = None) -> dict:
@@ -85,16 +72,25 @@ def make_problem(rng: random.Random, style: str | None = None) -> dict:
     ``answer`` is the final result as a decimal string; ``response`` the worked answer
     in ``style`` (drawn at random from ``STYLES`` when None).
     """
-    op = rng.choice(OPS)
-    if op == "+":
-        a, b = _digits(rng, 1, MAX_DIGITS), _digits(rng, 1, MAX_DIGITS)
-    else:
-        a, b = _digits(rng, 1, MAX_DIGITS), rng.randint(2, 9)
+    n = rng.randint(MIN_TERMS, MAX_TERMS)
+
+    def term() -> int:
+        return rng.randint(10, 99) if rng.random() < TWO_DIGIT_P else rng.randint(1, 9)
+
+    terms = [term()]
+    total = terms[0]
+    for _ in range(n - 1):
+        t = term()
+        if t <= total and rng.random() < 0.5:
+            t = -t
+        terms.append(t)
+        total += t
     style = style if style is not None else rng.choice(STYLES)
+    prompt = str(terms[0]) + "".join(f"{'+' if t >= 0 else '-'}{abs(t)}" for t in terms[1:]) + "="
     return {
-        "prompt": f"{a}{op}{b}=",
-        "answer": str(solve(a, op, b)),
-        "response": format_response(a, op, b, style),
+        "prompt": prompt,
+        "answer": str(total),
+        "response": format_response(terms, style),
         "style": style,
     }
 
@@ -106,13 +102,8 @@ def sample_problems(n: int, seed: int, style: str | None = None) -> list[dict]:
 
 
 def answer_for(prompt: str) -> str:
-    """The correct final answer for a prompt such as ``"347+85="``."""
-    m = _PROMPT_RE.match(prompt)
-    if m is None:
-        raise ValueError(
-            f"prompt {prompt!r} is not a toy problem; expected digits, '+' or '*', digits, '='"
-        )
-    return str(solve(int(m.group(1)), m.group(2), int(m.group(3))))
+    """The correct final answer for a prompt such as ``"7+5-3="``."""
+    return str(sum(_terms(prompt)))
 
 
 def extract_answer(completion: str) -> str | None:
@@ -131,12 +122,13 @@ def reward(problem: str | dict, completion: str) -> float:
     """
     answer = problem["answer"] if isinstance(problem, dict) else answer_for(problem)
     got = extract_answer(completion)
-    return float(got is not None and got.lstrip("0") == str(answer).lstrip("0"))
+    return float(got is not None and int(got) == int(answer))
 
 
 def style_of(completion: str) -> str:
-    """Which style a completion is written in (``"verbose"`` if it numbers its columns)."""
-    return "verbose" if completion.lstrip().startswith("c1 ") else "terse"
+    """Which style a completion is written in (``"verbose"`` if its first step says "is")."""
+    first = completion.lstrip().split(",", 1)[0]
+    return "verbose" if " is " in first else "terse"
 
 
 def write_heldout(path: str | Path, problems: list[dict]) -> None:

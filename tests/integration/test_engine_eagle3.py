@@ -89,7 +89,18 @@ def test_bad_files_change_nothing(engine, drafts, toy_target, tmp_path):
     other = init_draft(toy_target, "eagle3", tmp_path / "other", seed=2, draft_vocab=32)
     with pytest.raises(DraftSwapError, match="does not fit"):
         engine.swap_draft(other)
-    # 4. missing manifest
+    # 4. a file that would write the draft's shared embed_tokens (i.e. the policy's)
+    from safetensors.torch import save_file
+
+    own = tmp_path / "own"
+    shutil.copytree(drafts["v1"], own)
+    sd = load_file(str(own / WEIGHTS_FILE))
+    sd["embed_tokens.weight"] = torch.zeros(64, 256)
+    save_file(sd, str(own / WEIGHTS_FILE))
+    (own / META_FILE).write_text('{"version": 5}')
+    with pytest.raises(DraftSwapError, match="embed_tokens"):
+        engine.swap_draft(own)
+    # 5. missing manifest
     bare = tmp_path / "bare"
     bare.mkdir()
     shutil.copy(drafts["v1"] / WEIGHTS_FILE, bare / WEIGHTS_FILE)
@@ -119,6 +130,9 @@ def test_policy_update_in_place_keeps_draft(engine, toy_target):
     moved = {k: v + 0.05 * torch.randn(v.shape, generator=g) if v.dim() == 2 else v for k, v in original.items()}
     result = engine.update_policy(moved)
     assert result["policy_checksum"] != policy_before
+    # the head shares the target's embed_tokens (by design, written in its manifest); everything
+    # the draft owns is untouched by the policy update
+    assert draft_before["shared"] == ["model.embed_tokens.weight"]
     assert result["draft"]["checksum"] == draft_before["checksum"]
     changed = engine.generate(prompts, temperature=0.0, max_tokens=48)
     assert [r.token_ids for r in changed.rollouts] != [r.token_ids for r in base.rollouts]

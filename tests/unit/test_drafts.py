@@ -94,7 +94,15 @@ def test_export_import_round_trip(target, tmp_path, fmt):
     layer = cfg["transformer_layer_config"] if fmt == "speculators" else cfg
     assert layer["max_position_embeddings"] == 256
     meta = json.loads((out / "draftadapt.json").read_text())
-    assert meta["shared_modules"] == [] and meta["target"] == target_fingerprint(path)
+    # the head uses the target's own embeddings: written as shared, not exported (a swap can
+    # never write into the policy's module)
+    assert meta["shared_modules"] == ["embed_tokens"] and cfg["shared_modules"] == ["embed_tokens"]
+    assert meta["target"] == target_fingerprint(path)
+    from safetensors import safe_open
+
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert not any("embed_tokens" in n for n in names)
     back = load_eagle3(out, path)
     for k, v in head.state_dict().items():
         assert torch.equal(back.state_dict()[k], v), k
@@ -108,11 +116,20 @@ def test_foreign_eagle_checkpoint_without_embeddings_gets_the_targets(target, tm
     from safetensors.torch import load_file, save_file
 
     sd = load_file(str(out / "model.safetensors"))
-    del sd["embed_tokens.weight"]
+    assert "embed_tokens.weight" not in sd  # shared with the target, as other tools ship it too
     save_file(sd, str(out / "model.safetensors"))
-    (out / "draftadapt.json").unlink()  # as another tool would ship it
+    (out / "draftadapt.json").unlink()
     back = load_eagle3(out, path)
     assert torch.equal(back.embed_tokens.weight, model.get_input_embeddings().weight)
+    assert back.cfg.share_embeddings and not back.embed_tokens.weight.requires_grad
+    # an own, distinct copy is exported and kept
+    own = init_from_target(model, [1, 2, 3], 40, None, seed=2)
+    own.cfg.share_embeddings = False
+    with torch.no_grad():
+        own.embed_tokens.weight.add_(0.01)
+    d = export_eagle3(own, tmp_path / "own", path)
+    assert json.loads((d / "draftadapt.json").read_text())["shared_modules"] == []
+    assert not load_eagle3(d, path).cfg.share_embeddings
     with pytest.raises(DraftFormatError, match="embed_tokens"):
         load_eagle3(out, None)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 from transformers import AutoTokenizer
@@ -19,25 +20,36 @@ def test_generator_is_deterministic_per_seed():
 
 
 def test_problems_fit_the_budget_and_mix_styles():
-    problems = task.sample_problems(2000, seed=0)
+    problems = task.sample_problems(5000, seed=0)
     for p in problems:
         assert set(p["prompt"] + p["response"]) <= set(task.ALPHABET)
         # <s> + prompt + response + </s> within 128 tokens
         assert len(p["prompt"]) + len(p["response"]) + 2 <= 128
         assert p["response"].endswith(f"#{p['answer']}")
-    styles = {p["style"] for p in problems}
-    assert styles == set(task.STYLES)
-    assert {p["prompt"][:-1].strip("0123456789") for p in problems} == set(task.OPS)
-    assert sum(len(p["response"]) for p in problems) / len(problems) >= 25
+        assert task.answer_for(p["prompt"]) == p["answer"]
+        assert task.style_of(p["response"]) == p["style"]
+    assert {p["style"] for p in problems} == set(task.STYLES)
+    assert sum(len(p["response"]) for p in problems) / len(problems) >= 30
 
 
 @pytest.mark.parametrize("style", task.STYLES)
 def test_worked_steps_are_right(style):
-    r = task.format_response(347, "+", 85, style)
-    assert "7+5=12" in r and "4+8+1=13" in r and "3+0+1=4" in r and r.endswith("#432")
-    r = task.format_response(4096, "*", 7, style)
-    assert "6*7=42" in r and "9*7+4=67" in r and r.endswith("#28672")
+    r = task.format_response([7, 5, -3, 18, -2], style)
+    expected = {
+        "terse": "7+5=12 12-3=9 9+18=27 27-2=25 #25",
+        "verbose": "7+5 is 12, 12-3 is 9, 9+18 is 27, 27-2 is 25, so #25",
+    }
+    assert r == expected[style]
     assert task.style_of(r) == style
+    assert task.answer_for("7+5-3+18-2=") == "25"
+
+
+def test_running_total_never_negative():
+    for p in task.sample_problems(2000, seed=9):
+        assert "=-" not in p["response"] and " is -" not in p["response"]
+        totals = [int(x) for x in re.findall(r"(?:=| is )(\d+)", p["response"])]
+        assert len(totals) == p["prompt"].count("+") + p["prompt"].count("-")
+        assert totals[-1] == int(p["answer"])
 
 
 def test_reward_accepts_correct_and_rejects_wrong():
@@ -47,14 +59,14 @@ def test_reward_accepts_correct_and_rejects_wrong():
         assert task.reward(p["prompt"], p["response"]) == 1.0
         wrong = str(int(p["answer"]) + 1)
         assert task.reward(p, p["response"].rsplit("#", 1)[0] + "#" + wrong) == 0.0
-    p = {"prompt": "12+30=", "answer": "42"}
+    p = {"prompt": "30+12=", "answer": "42"}
     assert task.reward(p, "#42") == 1.0
-    assert task.reward(p, "2+0=2 1+3=4 #42 ") == 1.0  # trailing whitespace is fine
-    assert task.reward(p, "2+0=2 1+3=4 #42 more") == 0.0  # must end with the answer
-    assert task.reward(p, "2+0=2 1+3=4 #420") == 0.0
-    assert task.reward(p, "2+0=2 1+3=4 42") == 0.0  # no final-answer marker
+    assert task.reward(p, "30+12=42 #42 ") == 1.0  # trailing whitespace is fine
+    assert task.reward(p, "30+12=42 #42 more") == 0.0  # must end with the answer
+    assert task.reward(p, "30+12=42 #420") == 0.0
+    assert task.reward(p, "30+12=42 42") == 0.0  # no final-answer marker
     assert task.reward(p, "") == 0.0
-    assert task.reward("12*3=", "#36") == 1.0
+    assert task.reward("9-4+1=", "#6") == 1.0
     with pytest.raises(ValueError, match="not a toy problem"):
         task.reward("what is 2+2?", "#4")
 
