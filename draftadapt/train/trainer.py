@@ -29,6 +29,7 @@ from draftadapt.capture.hidden import CapturedBatch
 from draftadapt.metrics.acceptance import AcceptanceStats, simulate_acceptance
 from draftadapt.train import losses
 from draftadapt.train.forward import (
+    DraftLMForward,
     Eagle3TTT,
     draft_vocab_ids,
     step_logits,
@@ -347,10 +348,8 @@ def score_draft(module: nn.Module, batches: Iterable[CapturedBatch], k: int, voc
     module: a forward module from ``train.forward.wrap_draft`` (or a bare Eagle3Head / HF draft
     LM, wrapped here). Returns (visited-starts stats, every-start stats), both summed.
     """
-    if not isinstance(module, nn.Module) or not hasattr(module, "forward"):
-        raise TypeError("score_draft needs a draft module")
-    inner = getattr(module, "module", module)
-    if not isinstance(inner, (Eagle3TTT,)) and not hasattr(inner, "model"):
+    inner = getattr(module, "module", module)  # DDP / DeepSpeed wrappers
+    if not isinstance(inner, (Eagle3TTT, DraftLMForward)):
         from draftadapt.drafts.eagle3 import Eagle3Head
 
         module = wrap_draft(module, "eagle3" if isinstance(module, Eagle3Head) else "draft_model", k)
