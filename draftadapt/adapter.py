@@ -79,7 +79,8 @@ class AdapterConfig:
     seed: int = 0
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     validate_cfg: ValidateConfig = field(default_factory=ValidateConfig)
-    train: TrainConfig = field(default_factory=lambda: TrainConfig(lr=1e-3, warmup_steps=0, schedule="constant"))
+    # Online fine-tuning of an already trained draft: a gentler, constant rate than pretraining.
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(lr=3e-4, warmup_steps=0, schedule="constant"))
 
     def validate(self) -> None:
         if self.method not in ("eagle3", "draft_model"):
@@ -273,6 +274,10 @@ class DraftAdapter:
             return metrics
         t0 = time.perf_counter()
         heldout, train = self.replay.split_recent()
+        # GRPO-style groups sample one prompt several times: a held-out rollout whose prompt is
+        # also trained on would flatter the candidate. Hold out whole prompts.
+        held_prompts = {tuple(it.token_ids[: it.prompt_len].tolist()) for it in heldout}
+        train = [it for it in train if tuple(it.token_ids[: it.prompt_len].tolist()) not in held_prompts]
         if not heldout or not train:
             metrics["adapt/skipped"] = 1.0
             return metrics

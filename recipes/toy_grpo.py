@@ -153,6 +153,9 @@ def run(cfg: DemoConfig) -> dict:
                          threads=cfg.engine_threads, seed=cfg.seed)
     plain = RolloutEngine(toy, None, threads=cfg.engine_threads, seed=cfg.seed)
     eval_prompts = [p["prompt"] for p in task.load_heldout(toy)[: cfg.eval.prompts]]
+    # vLLM lowers torch to one thread in this process when it starts; the engines idle while we
+    # train, so the trainer takes the cores back.
+    torch.set_num_threads(cfg.engine_threads)
     history: list[dict] = []
     arms = {"plain": [], "frozen": [], "adapted": []}
     t_start = time.perf_counter()
