@@ -25,8 +25,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-from tqdm import tqdm
+# Two torch threads on a shared 2-core machine: with OpenMP's default spin-waiting a descheduled
+# thread stalls its partner, and a training step took 5x longer than with one thread (measured
+# here under load); passive waiting removes that. libgomp reads it when torch loads, so it is set
+# before ``import torch`` (the CLI imports this module first).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 
 from draftadapt.config import ConfigError, load_config, save_config
 from draftadapt.train.trainer import TrainConfig
@@ -79,7 +85,8 @@ class PretrainConfig:
     keep_checkpoints: int = 2
     log: list[str] = field(default_factory=lambda: ["tensorboard", "jsonl"])  # + "stdout"
     log_every: int = 10
-    cache_capture: bool = True  # capture each batch once (float16 shards in out/pretrain/capture), reuse per epoch
+    cache_capture: bool = True  # capture each batch once (shards in out/pretrain/capture), reuse per epoch
+    capture_dtype: str = "float16"  # storage type of cached aux states and log-probs: float16 or float32
     keep_capture: bool = False  # keep those shards after a finished run (they can be large)
     threads: int = 2  # torch threads for capture and training (the engine is closed by then)
     data: DataConfig = field(default_factory=DataConfig)
@@ -98,6 +105,8 @@ class PretrainConfig:
             raise ConfigError(f"draft.format {self.draft.format!r}: use 'speculators' or 'eagle'")
         if self.k < 1:
             raise ConfigError(f"k must be >= 1 (got {self.k})")
+        if self.capture_dtype not in ("float16", "float32", "bfloat16"):
+            raise ConfigError(f"capture_dtype {self.capture_dtype!r}: use float16, bfloat16 or float32")
         if self.generate.temperature <= 0:
             raise ConfigError("generate.temperature must be > 0: a draft is distilled from the target's distribution")
 
@@ -234,9 +243,12 @@ def pretrain(cfg: PretrainConfig) -> dict:
     logger = make_logger(cfg.log, run, enabled=is_main)
 
     # Captures depend on what is captured: a changed recipe gets fresh shards, not stale ones.
-    capture_key = hashlib.sha256(json.dumps([aux_ids, None if vocab_ids is None else vocab_ids.tolist(),
-                                     cfg.generate.temperature, cfg.train.batch_size, cfg.train.seed]).encode())
-    store = CaptureStore(run / "capture" / capture_key.hexdigest()[:12]) if cfg.cache_capture else None
+    what = [aux_ids, None if vocab_ids is None else vocab_ids.tolist(), cfg.generate.temperature,
+            cfg.train.batch_size, cfg.train.seed, cfg.capture_dtype]
+    store = None
+    if cfg.cache_capture:
+        digest = hashlib.sha256(json.dumps(what).encode()).hexdigest()[:12]
+        store = CaptureStore(run / "capture" / digest, getattr(torch, cfg.capture_dtype))
 
     def captured(name: str, seqs):
         make = lambda: capture.capture(collate(seqs, pad_id))  # noqa: E731
@@ -309,10 +321,10 @@ def pretrain(cfg: PretrainConfig) -> dict:
         "k": cfg.k,
         "train_seconds": round(train_seconds, 1),
     }
+    draft_out = trainer.export_draft()  # every rank: ZeRO-3 gathers the partitions
     if is_main:
         meta = {"version": 0, "policy_version": 0,
                 "pretrain": {k: summary[k] for k in ("steps", "acceptance_length_simulated", "per_position_acceptance")}}
-        draft_out = trainer.export_draft()
         if cfg.method == "eagle3":
             from draftadapt.drafts.formats import export_eagle3
 

@@ -136,7 +136,7 @@ def main() -> int:
     p.add_argument("--out", default="runs/bench_pretrain")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=96)
-    p.add_argument("--repeats", type=int, default=2, help="generate calls per arm; the fastest counts for speed")
+    p.add_argument("--repeats", type=int, default=3, help="generate calls per arm; the fastest counts for speed")
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--skip-pretrain", action="store_true", help="reuse OUT/eagle3 and OUT/draft_lm")
     args = p.parse_args()
@@ -199,9 +199,32 @@ def main() -> int:
         ("ceiling: target as its own draft", f"{ceiling.length:.3f}", "", True),
     ]
     print("\n" + "\n".join(f"{'ok ' if ok else 'NO '} {name:48s} {val:>22s}   {goal}" for name, val, goal, ok in bar))
-    print("\nper engine step (ms): " + "; ".join(
-        f"{n}: {a['timers']['ms_per_step']:.1f} wall, {a['timers']['ms_target_forward_per_step']:.1f} target fwd, "
-        f"{a['timers']['ms_draft_per_step']:.1f} draft" for n, a in arms.items() if "timers" in a))
+    if all("timers" in a for a in arms.values()):
+        # Where the time goes. speedup = L * plain_step / spec_step with L the acceptance length.
+        plain_ms = arms["plain"]["timers"]["ms_per_step"]
+        print("\nper engine step (ms), wall | target forward | drafter | rest:")
+        for n, a in arms.items():
+            t = a["timers"]
+            rest = t["ms_per_step"] - t["ms_target_forward_per_step"] - t["ms_draft_per_step"]
+            print(f"  {n:9s} {t['ms_per_step']:6.1f} | {t['ms_target_forward_per_step']:6.1f} | "
+                  f"{t['ms_draft_per_step']:6.1f} | {rest:6.1f}   ({t['ms_per_step'] / plain_ms:.2f}x a plain step)")
+        breakdown = {}
+        for n in ("eagle3", "draft_lm"):
+            t = arms[n]["timers"]
+            free = t["ms_per_step"] - t["ms_draft_per_step"]  # the same step with a zero-cost drafter
+            breakdown[n] = {
+                "spec_step_over_plain_step": t["ms_per_step"] / plain_ms,
+                "draft_share_of_step": t["ms_draft_per_step"] / t["ms_per_step"],
+                "speedup_if_draft_were_free": arms[n]["acceptance_length"] * plain_ms / free,
+                "speedup_ceiling_free_perfect_draft": ceiling.length * plain_ms / free,
+                "acceptance_needed_for_1_3x": 1.3 * t["ms_per_step"] / plain_ms,
+            }
+            b = breakdown[n]
+            print(f"  {n}: a speculative step costs {b['spec_step_over_plain_step']:.2f} plain steps, the drafter "
+                  f"{b['draft_share_of_step']:.0%} of it; 1.3x would need acceptance "
+                  f"{b['acceptance_needed_for_1_3x']:.2f} (ceiling {ceiling.length:.2f}); with a free drafter: "
+                  f"{b['speedup_if_draft_were_free']:.2f}x now, {b['speedup_ceiling_free_perfect_draft']:.2f}x at the ceiling")
+        result["time_breakdown"] = breakdown
     print(json.dumps(result, default=float))
     return 0
 
