@@ -113,7 +113,10 @@ def evaluate(target: str | Path, draft: str | Path, k: int = 3, temperature: flo
     tps_spec = max(r.tokens_per_s for r in spec_runs)
     tps_plain = max(r.tokens_per_s for r in plain_runs)
     t0 = time.perf_counter()
-    visited, uniform = simulate_on_rollouts(target, draft, method, spec_runs[0].rollouts, k, temperature, threads=threads)
+    # one torch thread: the capture is small, and two spinning OpenMP threads on a busy 2-core box
+    # were several times slower than one
+    visited, uniform = simulate_on_rollouts(target, draft, method, spec_runs[0].rollouts, k, temperature,
+                                            threads=threads or 1)
     sim_seconds = time.perf_counter() - t0
     measured = spec.acceptance_length
     speedup = tps_spec / tps_plain

@@ -11,6 +11,16 @@ from draftadapt.train.forward import Eagle3TTT
 
 V, H, T, B = 16, 32, 12, 2
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models: one thread is fastest, and on a busy 2-core box two spinning OpenMP threads
+    made these tests 5x slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 
 def tiny_head(seed: int = 0, vd: int = V) -> Eagle3Head:
     cfg = Eagle3Config(hidden_size=H, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
