@@ -1,22 +1,25 @@
-"""The toy task family: a chain of additions and subtractions, worked left to right.
+"""The toy task family: repeated addition or subtraction, worked one step at a time.
 
-A problem is a prompt such as ``"7+5-3+18-2="``; its response works the chain one term
-at a time and ends in the final answer after ``#``::
+A problem is a prompt such as ``"37+8 x4="`` (start at 37, add 8 four times); its
+response works the steps, each labelled with how many remain, and ends in the final
+answer after ``#``::
 
-    7+5-3+18-2=   7+5=12 12-3=9 9+18=27 27-2=25 #25                         (style "terse")
-                  7+5 is 12, 12-3 is 9, 9+18 is 27, 27-2 is 25, so #25      (style "verbose")
+    37+8 x4=   4:37+8=45 3:45+8=53 2:53+8=61 1:61+8=69 #69               (style "terse")
+               4: 37+8=45, 3: 45+8=53, 2: 53+8=61, 1: 61+8=69, so #69    (style "verbose")
+    62-13 x3=  3:62-13=49 2:49-13=36 1:36-13=23 #23
 
-Chains have 2-``MAX_TERMS`` terms, mostly single digits with some two-digit ones; the
-running total never goes below zero. Longer chains and two-digit terms are harder, so a
-small model trained for minutes solves part of the task: room for RL to improve. The
-training data mixes the styles at random, so a policy has a style choice that RL can
-shift; the reward checks only the final answer. Responses are mostly predictable text
-(each step starts by copying the previous total and the next term from the prompt),
-which is what a speculative draft can learn to guess.
+Starts are 0-99, steps 1-19, repeats 2-``MAX_REPEATS``; every value stays in 0-99.
+Longer chains, two-digit steps and borrows are harder, so a small model trained for
+minutes solves part of the task at temperature 1: room for RL to improve. The training
+data mixes the two styles at random, so a policy has a style choice that RL can shift;
+the reward checks only the final answer. Each step copies the previous total and the
+step, then adds: responses are mostly predictable text, which is what a speculative
+draft learns to guess.
 
-Why left to right: each step needs the next term of the prompt, which an induction
-head finds (the term after the one used last). Column arithmetic worked right to left
-needs digits counted from the end of an operand, which tiny models learn far slower.
+Why this shape: a tiny model trained for three minutes on 2 CPU cores does not learn
+to fetch digits counted from the end of an operand (column arithmetic), the n-th term
+of a long expression, or to count its own steps; here everything a step needs sits
+in the step before it (the countdown label says when to stop).
 
 Everything here is pure and deterministic given a seed: ``sample_problems(n, seed)``
 returns the same list on every machine.
@@ -30,67 +33,83 @@ import re
 from pathlib import Path
 
 STYLES = ("terse", "verbose")
-MIN_TERMS, MAX_TERMS = 3, 7  # 7 terms of 2 digits, verbose: 120 tokens with <s>, </s>
-TWO_DIGIT_P = 0.25  # share of terms drawn from 10-99 instead of 1-9
+MAX_REPEATS = 7  # 7 two-digit steps, verbose: <= 112 tokens with <s> and </s>
+MAX_STEP = 9
+MAX_VALUE = 99  # every total stays in 0..MAX_VALUE, so numbers are 1-2 digits
 
 # Every character a prompt or a response can contain; the tokenizer is built from it.
-ALPHABET = "0123456789+-=#, iso"
+ALPHABET = "0123456789+-=#:,x so"
 
-_PROMPT_RE = re.compile(r"^\s*(\d+(?:[+-]\d+)+)=\s*$")
-_TERM_RE = re.compile(r"([+-]?)(\d+)")
+_PROMPT_RE = re.compile(r"^\s*(\d+)([+-])(\d+) x(\d+)=\s*$")
 _FINAL_RE = re.compile(r"#(\d+)\s*$")
 
 
-def _terms(prompt: str) -> list[int]:
-    """Signed terms of a prompt such as ``"7+5-3="``: [7, 5, -3]."""
+def parse_prompt(prompt: str) -> tuple[int, int, int]:
+    """``"37+8 x5="`` -> (start 37, signed step 8, repeats 5)."""
     m = _PROMPT_RE.match(prompt)
     if m is None:
         raise ValueError(
-            f"prompt {prompt!r} is not a toy problem; expected numbers joined by '+'/'-', then '='"
+            f"prompt {prompt!r} is not a toy problem; expected start, '+' or '-', step, "
+            "' x', repeats, '=' as in '37+8 x5='"
         )
-    return [int(n) * (-1 if sign == "-" else 1) for sign, n in _TERM_RE.findall(m.group(1))]
+    step = int(m.group(3)) * (1 if m.group(2) == "+" else -1)
+    return int(m.group(1)), step, int(m.group(4))
 
 
-def format_response(terms: list[int], style: str) -> str:
-    """The worked answer for a chain of signed ``terms`` in one of ``STYLES``."""
+def format_prompt(start: int, step: int, repeats: int) -> str:
+    return f"{start}{'+' if step >= 0 else '-'}{abs(step)} x{repeats}="
+
+
+def format_response(start: int, step: int, repeats: int, style: str,
+                    totals: list[int] | None = None) -> str:
+    """The worked answer in one of ``STYLES``. ``totals`` (one a step) overrides the
+    running totals, which is how ``make_problem`` writes a response with slips."""
     if style not in STYLES:
         raise ValueError(f"unknown style {style!r}; the toy task has {STYLES}")
-    total, steps = terms[0], []
-    for t in terms[1:]:
-        new = total + t
-        op = f"{total}{'+' if t >= 0 else '-'}{abs(t)}"
-        steps.append(f"{op}={new}" if style == "terse" else f"{op} is {new}")
-        total = new
+    if totals is None:
+        totals = [start + step * (i + 1) for i in range(repeats)]
+    sign, parts = "+" if step >= 0 else "-", []
+    for before, after in zip([start] + totals[:-1], totals):
+        parts.append(f"{before}{sign}{abs(step)}={after}")
+    # Countdown labels: the step after "1:" is the answer, so stopping needs no counting.
     if style == "terse":
-        return " ".join(steps) + f" #{total}"
-    return ", ".join(steps) + f", so #{total}"
+        return " ".join(f"{repeats - i}:{p}" for i, p in enumerate(parts)) + f" #{totals[-1]}"
+    return ", ".join(f"{repeats - i}: {p}" for i, p in enumerate(parts)) + f", so #{totals[-1]}"
 
 
-def make_problem(rng: random.Random, style: str | None = None) -> dict:
+def _slipped_totals(start: int, step: int, repeats: int, rng: random.Random, slip: float) -> list[int]:
+    """Running totals where each step, with probability ``slip``, comes out 1 or 10 off
+    (staying in 0..MAX_VALUE); later steps carry on from the wrong total, as a person would."""
+    totals, total = [], start
+    for _ in range(repeats):
+        total += step
+        if slip > 0 and rng.random() < slip:
+            off = rng.choice((-10, -1, 1, 10))
+            total = total + off if 0 <= total + off <= MAX_VALUE else total - off
+        totals.append(total)
+    return totals
+
+
+def make_problem(rng: random.Random, style: str | None = None, slip: float = 0.0) -> dict:
     """One problem: ``{"prompt", "answer", "response", "style"}`` drawn from ``rng``.
 
-    ``answer`` is the final result as a decimal string; ``response`` the worked answer
-    in ``style`` (drawn at random from ``STYLES`` when None).
+    ``answer`` is the correct result as a decimal string; ``response`` the worked answer
+    in ``style`` (drawn at random from ``STYLES`` when None). With ``slip`` > 0 each step
+    of the response is wrong with that probability (training data for the toy target:
+    its accuracy at temperature 1 stays partial, so RL has something to fix).
     """
-    n = rng.randint(MIN_TERMS, MAX_TERMS)
-
-    def term() -> int:
-        return rng.randint(10, 99) if rng.random() < TWO_DIGIT_P else rng.randint(1, 9)
-
-    terms = [term()]
-    total = terms[0]
-    for _ in range(n - 1):
-        t = term()
-        if t <= total and rng.random() < 0.5:
-            t = -t
-        terms.append(t)
-        total += t
+    repeats = rng.randint(2, MAX_REPEATS)
+    size = rng.randint(1, min(MAX_STEP, MAX_VALUE // repeats))
+    step = size if rng.random() < 0.5 else -size
+    span = size * repeats
+    # start so that every total stays in 0..MAX_VALUE
+    start = rng.randint(0, MAX_VALUE - span) if step > 0 else rng.randint(span, MAX_VALUE)
     style = style if style is not None else rng.choice(STYLES)
-    prompt = str(terms[0]) + "".join(f"{'+' if t >= 0 else '-'}{abs(t)}" for t in terms[1:]) + "="
+    totals = _slipped_totals(start, step, repeats, rng, slip) if slip > 0 else None
     return {
-        "prompt": prompt,
-        "answer": str(total),
-        "response": format_response(terms, style),
+        "prompt": format_prompt(start, step, repeats),
+        "answer": str(start + step * repeats),
+        "response": format_response(start, step, repeats, style, totals),
         "style": style,
     }
 
@@ -102,8 +121,9 @@ def sample_problems(n: int, seed: int, style: str | None = None) -> list[dict]:
 
 
 def answer_for(prompt: str) -> str:
-    """The correct final answer for a prompt such as ``"7+5-3="``."""
-    return str(sum(_terms(prompt)))
+    """The correct final answer for a prompt such as ``"37+8 x5="``."""
+    start, step, repeats = parse_prompt(prompt)
+    return str(start + step * repeats)
 
 
 def extract_answer(completion: str) -> str | None:
@@ -126,9 +146,9 @@ def reward(problem: str | dict, completion: str) -> float:
 
 
 def style_of(completion: str) -> str:
-    """Which style a completion is written in (``"verbose"`` if its first step says "is")."""
-    first = completion.lstrip().split(",", 1)[0]
-    return "verbose" if " is " in first else "terse"
+    """Which style a completion is written in: ``"verbose"`` if its first label is
+    followed by a space (``"4: 37+8=45, ..."``), else ``"terse"`` (``"4:37+8=45 ..."``)."""
+    return "verbose" if re.match(r"\s*\d+: ", completion) else "terse"
 
 
 def write_heldout(path: str | Path, problems: list[dict]) -> None:

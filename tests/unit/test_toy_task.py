@@ -34,22 +34,27 @@ def test_problems_fit_the_budget_and_mix_styles():
 
 @pytest.mark.parametrize("style", task.STYLES)
 def test_worked_steps_are_right(style):
-    r = task.format_response([7, 5, -3, 18, -2], style)
     expected = {
-        "terse": "7+5=12 12-3=9 9+18=27 27-2=25 #25",
-        "verbose": "7+5 is 12, 12-3 is 9, 9+18 is 27, 27-2 is 25, so #25",
+        "terse": "3:37+8=45 2:45+8=53 1:53+8=61 #61",
+        "verbose": "3: 37+8=45, 2: 45+8=53, 1: 53+8=61, so #61",
     }
+    r = task.format_response(37, 8, 3, style)
     assert r == expected[style]
     assert task.style_of(r) == style
-    assert task.answer_for("7+5-3+18-2=") == "25"
+    assert task.format_prompt(37, 8, 3) == "37+8 x3="
+    assert task.parse_prompt("37+8 x3=") == (37, 8, 3)
+    assert task.parse_prompt("62-13 x4=") == (62, -13, 4)
+    assert task.answer_for("62-13 x4=") == "10"
+    assert task.format_response(62, -13, 2, "terse") == "2:62-13=49 1:49-13=36 #36"
 
 
-def test_running_total_never_negative():
-    for p in task.sample_problems(2000, seed=9):
-        assert "=-" not in p["response"] and " is -" not in p["response"]
-        totals = [int(x) for x in re.findall(r"(?:=| is )(\d+)", p["response"])]
-        assert len(totals) == p["prompt"].count("+") + p["prompt"].count("-")
-        assert totals[-1] == int(p["answer"])
+def test_values_stay_in_range():
+    for p in task.sample_problems(3000, seed=9):
+        values = [int(x) for x in re.findall(r"\d+", p["prompt"] + p["response"])]  # labels too
+        assert all(0 <= v <= task.MAX_VALUE for v in values)
+        start, step, repeats = task.parse_prompt(p["prompt"])
+        assert 2 <= repeats <= task.MAX_REPEATS and 1 <= abs(step) <= task.MAX_STEP
+        assert p["response"].count("=") == repeats
 
 
 def test_reward_accepts_correct_and_rejects_wrong():
@@ -59,14 +64,15 @@ def test_reward_accepts_correct_and_rejects_wrong():
         assert task.reward(p["prompt"], p["response"]) == 1.0
         wrong = str(int(p["answer"]) + 1)
         assert task.reward(p, p["response"].rsplit("#", 1)[0] + "#" + wrong) == 0.0
-    p = {"prompt": "30+12=", "answer": "42"}
+    p = {"prompt": "30+6 x2=", "answer": "42"}
     assert task.reward(p, "#42") == 1.0
-    assert task.reward(p, "30+12=42 #42 ") == 1.0  # trailing whitespace is fine
-    assert task.reward(p, "30+12=42 #42 more") == 0.0  # must end with the answer
-    assert task.reward(p, "30+12=42 #420") == 0.0
-    assert task.reward(p, "30+12=42 42") == 0.0  # no final-answer marker
+    assert task.reward(p, "2:30+6=36 1:36+6=42 #42 ") == 1.0  # trailing whitespace is fine
+    assert task.reward(p, "2:30+6=36 1:36+6=42 #42 more") == 0.0  # must end with the answer
+    assert task.reward(p, "2:30+6=36 1:36+6=42 #420") == 0.0
+    assert task.reward(p, "2:30+6=36 1:36+6=42 42") == 0.0  # no final-answer marker
+    assert task.reward(p, "2:30+6=36 1:36+6=41 #42") == 1.0  # only the final answer counts
     assert task.reward(p, "") == 0.0
-    assert task.reward("9-4+1=", "#6") == 1.0
+    assert task.reward("9-4 x2=", "#1") == 1.0
     with pytest.raises(ValueError, match="not a toy problem"):
         task.reward("what is 2+2?", "#4")
 
