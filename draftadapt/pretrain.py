@@ -10,8 +10,10 @@ vLLM loads directly), clean up. Prints a progress bar, then as its last line one
 "per_position_acceptance": [0.8, 0.6, 0.5], "seconds": 240.1}``.
 
 Interrupted? Run the same command again: it reuses the regenerated data and resumes from the
-last checkpoint in ``out/pretrain/checkpoints``. Multi-process: ``accelerate launch --cpu
---num_processes 2 -m draftadapt.cli pretrain RECIPE`` (DeepSpeed: ``train.zero_stage=2``).
+last checkpoint in ``out/pretrain/checkpoints``. Data parallel: ``accelerate launch --multi_gpu
+--num_processes 2 -m draftadapt.cli pretrain RECIPE`` (on a CPU-only machine that is gloo;
+``--cpu`` would run one process); DeepSpeed ZeRO: add ``train.zero_stage=2`` and, on CPU,
+``DS_ACCELERATOR=cpu``. Rank 0 regenerates the data while the others wait.
 """
 
 from __future__ import annotations
@@ -356,5 +358,8 @@ def pretrain_cli(recipe: str, overrides: list[str]) -> int:
     except (ConfigError, DraftFormatError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps(summary), flush=True)
+    from accelerate import PartialState
+
+    if PartialState().is_main_process:
+        print(json.dumps(summary), flush=True)
     return 0
