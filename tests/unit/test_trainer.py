@@ -142,3 +142,24 @@ def test_lr_schedule():
     assert f(10) == pytest.approx(1.0) and f(110) == pytest.approx(0.1)
     g = lr_lambda(TrainConfig(warmup_steps=0, schedule="constant"), None)
     assert g(0) == g(1000) == 1.0
+
+
+def test_reduced_draft_vocabulary_trains_and_scores():
+    from draftadapt.data.prompts import token_counts
+    from draftadapt.drafts.vocab import draft_to_target_ids
+
+    target = tiny_target()
+    data = tiny_data(32)
+    head = init_from_target(target, [1, 2, 3], 12, token_counts(data, V), 0)
+    ids = draft_to_target_ids(head.d2t)
+    cap = TargetCapture(target, [1, 2, 3], ids)
+    batches = [cap.capture(b) for b in iter_batches(data, 8, 0, seed=0, epoch=0)]
+    assert batches[0].target_logp.shape[-1] == 12
+    for loss in ("kl", "ce"):
+        tr = DraftTrainer(init_from_target(target, [1, 2, 3], 12, token_counts(data, V), 0), "eagle3",
+                          TrainConfig(batch_size=8, warmup_steps=1, loss=loss), total_steps=8)
+        first = tr.train_steps(batches)["train/loss"]
+        last = tr.train_steps(batches)["train/loss"]
+        assert last < first
+        visited, _ = tr.score(batches, k=3)
+        assert 1.0 <= visited.length <= 4.0
