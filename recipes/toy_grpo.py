@@ -45,7 +45,6 @@ class GRPOConfig:
     # preference the policy learns, which moves its token distribution (the drift drafts suffer).
     style: str = "verbose"
     style_bonus: float = 0.5
-    kl_coef: float = 0.0  # no reference-KL: the policy is free to move
 
 
 @dataclass
@@ -64,7 +63,6 @@ class DemoConfig:
     k: int = 3
     engine_threads: int = 2
     pretrain_recipe: str = "recipes/pretrain_eagle3_toy.yaml"
-    final_fresh_steps: int = 0  # >0: also pretrain a fresh draft on the final policy (the 95% bar)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     adapter: AdapterConfig = field(default_factory=AdapterConfig)
