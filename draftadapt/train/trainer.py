@@ -32,6 +32,7 @@ from draftadapt.train.forward import (
     DraftLMForward,
     Eagle3TTT,
     draft_vocab_ids,
+    lm_step_logits,
     step_logits,
     unwrap_draft,
     wrap_draft,
@@ -221,8 +222,6 @@ class DraftTrainer:
                 self._sampled_draft_ids(batch.input_ids) if self.cfg.loss == "ce" else None,
             )
             per_step, accs = [loss.detach()], [acc]
-            from draftadapt.train.forward import lm_step_logits
-
             steps = lm_step_logits(logits.detach(), self.cfg.ttt_steps)
         parts = {f"loss_pos_{i}": l for i, l in enumerate(per_step)}
         parts.update({f"acc_pos_{i}": a for i, a in enumerate(accs)})

@@ -40,7 +40,7 @@ def trained_head(toy_target, tmp_path_factory) -> Path:
     save_sequences(out / "pretrain/data/heldout.jsonl", seqs(16, 1))
     save_sequences(out / "pretrain/data/train.jsonl", seqs(128, 0))
     cfg = load_config(PretrainConfig, REPO / "recipes/pretrain_eagle3_toy.yaml",
-                      [f"target={toy_target}", f"out={out}", "max_steps=12", "train.batch_size=16", "train.warmup_steps=2", "log=[jsonl]",
+                      [f"target={toy_target}", f"out={out}", "max_steps=12", "train.batch_size=16", "train.warmup_steps=2", "log=[jsonl]", "threads=1",
                        "checkpoint_every=0"])
     pretrain(cfg)
     return out
