@@ -66,6 +66,7 @@ class DraftConfig:
     format: str = "speculators"  # Eagle-3 export layout: "speculators" or "eagle"
     aux_layer_ids: list[int] = field(default_factory=list)  # empty: distinct low/mid/high layers
     draft_vocab: int = 0  # Eagle-3 reduced vocabulary (most frequent response tokens); 0 = the target's
+    intermediate_size: int = 0  # Eagle-3 MLP width; 0 = the target's (narrower = cheaper drafting)
     num_layers: int = 2  # small draft LM only
     hidden_size: int = 128  # small draft LM only
     num_heads: int = 4  # small draft LM only
@@ -164,11 +165,14 @@ def _regenerate_data(cfg: PretrainConfig, target: Path, data_dir: Path) -> None:
 def _build_draft(cfg: PretrainConfig, target: Path, target_model, train_seqs):
     if cfg.method == "eagle3":
         from draftadapt.data.prompts import token_counts
-        from draftadapt.drafts.eagle3 import init_from_target
+        from draftadapt.drafts.eagle3 import init_from_target, with_intermediate_size
 
         counts = token_counts(train_seqs, target_model.config.vocab_size) if cfg.draft.draft_vocab else None
-        return init_from_target(target_model, cfg.draft.aux_layer_ids or None, cfg.draft.draft_vocab or None,
+        head = init_from_target(target_model, cfg.draft.aux_layer_ids or None, cfg.draft.draft_vocab or None,
                                 counts, cfg.draft.seed)
+        if cfg.draft.intermediate_size:
+            head = with_intermediate_size(head, cfg.draft.intermediate_size, cfg.draft.seed)
+        return head
     from draftadapt.drafts.small_lm import build_small_lm
 
     model = build_small_lm(target, cfg.draft.num_layers, cfg.draft.hidden_size, cfg.draft.num_heads, cfg.draft.seed)

@@ -329,3 +329,23 @@ def _rope_theta(hf_config) -> float:
     theta = getattr(hf_config, "rope_theta", None)
     return float(theta) if theta is not None else 10000.0
 
+
+
+def with_intermediate_size(head: Eagle3Head, intermediate_size: int, seed: int) -> Eagle3Head:
+    """The same head with an MLP of another width: fresh MLP weights, every other tensor kept.
+
+    A narrower MLP makes every speculative step cheaper; on the CPU toy a 256-wide MLP learned as
+    well as the target's 768 and cut the drafter's share of a step (scripts/bench_pretrain.py).
+    """
+    if intermediate_size == head.cfg.intermediate_size:
+        return head
+    if intermediate_size < 1:
+        raise ValueError(f"intermediate_size must be >= 1, got {intermediate_size}")
+    out = Eagle3Head(dataclasses.replace(head.cfg, intermediate_size=intermediate_size))
+    out.init_weights(seed)
+    own = out.state_dict()
+    kept = {k: v for k, v in head.state_dict().items() if not k.startswith("layers.0.mlp.") and k in own}
+    out.load_state_dict({**own, **kept})
+    for name, p in out.named_parameters():  # frozen stays frozen (shared embeddings)
+        p.requires_grad_(dict(head.named_parameters())[name].requires_grad)
+    return out

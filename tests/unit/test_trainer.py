@@ -163,3 +163,19 @@ def test_reduced_draft_vocabulary_trains_and_scores():
         assert last < first
         visited, _ = tr.score(batches, k=3)
         assert 1.0 <= visited.length <= 4.0
+
+
+def test_narrower_mlp_keeps_everything_else(tmp_path):
+    from draftadapt.drafts.eagle3 import with_intermediate_size
+
+    target = tiny_target()
+    head = init_from_target(target, [1, 2, 3], None, None, 0)
+    small = with_intermediate_size(head, 16, seed=0)
+    assert small.cfg.intermediate_size == 16 and small.layers[0].mlp.up_proj.weight.shape == (16, 32)
+    torch.testing.assert_close(small.fc.weight, head.fc.weight)
+    torch.testing.assert_close(small.layers[0].self_attn.q_proj.weight, head.layers[0].self_attn.q_proj.weight)
+    assert small.embed_tokens.weight.requires_grad == head.embed_tokens.weight.requires_grad
+    assert with_intermediate_size(head, head.cfg.intermediate_size, 0) is head
+    batches = captured(target, tiny_data())
+    tr = DraftTrainer(small, "eagle3", TrainConfig(batch_size=8, warmup_steps=1), total_steps=8)
+    assert tr.train_steps(batches)["train/loss"] > 0
