@@ -33,9 +33,9 @@ HELDOUT_SEED_OFFSET = 1_000_003  # held-out problems come from a stream training
 @dataclass
 class ToyTrainConfig:
     model: ToyModelConfig = field(default_factory=ToyModelConfig)
-    steps: int = 700  # tuned: lands at 20-60% accuracy at temperature 1 (see toy.json)
+    steps: int = 330  # tuned: 0.47 accuracy at temperature 1 in 250 s on 2 cores (see toy.json)
     batch_size: int = 32
-    lr: float = 2e-3
+    lr: float = 3e-3
     warmup_steps: int = 50
     min_lr_ratio: float = 0.1  # cosine decay to lr * min_lr_ratio
     weight_decay: float = 0.01
@@ -202,13 +202,14 @@ def save(out: Path, model: PreTrainedModel, tok: PreTrainedTokenizerFast, heldou
 def pick_threads(requested: int) -> int:
     """Torch threads for training. Two OpenMP threads that spin-wait on a core another
     process is using ran 5-6x slower than one thread here (2-core machine, 11 s vs 1.7 s
-    a step), so "auto" takes one thread whenever the 1-minute load average says the
-    machine is already busy."""
+    a step), so "auto" drops a thread only when the 1-minute load average says nearly every
+    core is taken. An idle 2-core VM here idles at a load of 0.8-1.0 (kernel threads), so a
+    lower bar took one thread on an idle machine (1.25 s a step instead of 0.74 s)."""
     if requested > 0:
         return requested
-    cores = os.cpu_count() or 1
+    cores = min(4, os.cpu_count() or 1)  # a 5M-parameter model gains nothing from more
     busy = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-    return max(1, min(2, cores - int(busy + 0.5)))
+    return cores - 1 if cores > 1 and busy >= cores - 0.25 else cores
 
 
 def build(out: str, arch: str = "llama", seed: int = 0, steps: int | None = None,
@@ -240,8 +241,8 @@ def build(out: str, arch: str = "llama", seed: int = 0, steps: int | None = None
         "out": str(Path(out).resolve()),
     }
     meta = {
-        "task": "column arithmetic: a+b (up to 4 digits each) and a*d (d one digit), "
-                "worked right to left, final answer after '#'",
+        "task": "repeated +1/-1 from a start in 0-99, worked step by step with countdown labels, "
+                "final answer after '#'",
         "styles": list(task.STYLES),
         "reward": "draftadapt.toy.task.reward: 1.0 iff the completion ends in '#<correct answer>'",
         "heldout_seed": seed + HELDOUT_SEED_OFFSET,

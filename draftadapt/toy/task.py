@@ -8,9 +8,10 @@ answer after ``#``::
                4: 37+8=45, 3: 45+8=53, 2: 53+8=61, 1: 61+8=69, so #69    (style "verbose")
     62-13 x3=  3:62-13=49 2:49-13=36 1:36-13=23 #23
 
-Starts are 0-99, steps 1-19, repeats 2-``MAX_REPEATS``; every value stays in 0-99.
-Longer chains, two-digit steps and borrows are harder, so a small model trained for
-minutes solves part of the task at temperature 1: room for RL to improve. The training
+Starts are 0-99, steps +1 or -1 (``MAX_STEP``), repeats 2-``MAX_REPEATS``; every value
+stays in 0-99. The training data has slips (a step written 1 or 10 off, see
+``make_problem``), so the trained target solves part of the task at temperature 1 (about
+half) and RL has room to improve: fewer slips, more solved problems. The training
 data mixes the two styles at random, so a policy has a style choice that RL can shift;
 the reward checks only the final answer. Each step copies the previous total and the
 step, then adds: responses are mostly predictable text, which is what a speculative
@@ -34,7 +35,10 @@ from pathlib import Path
 
 STYLES = ("terse", "verbose")
 MAX_REPEATS = 7  # 7 two-digit steps, verbose: <= 112 tokens with <s> and </s>
-MAX_STEP = 9
+# Step sizes 1..MAX_STEP. Measured on 2 CPU cores (300 steps, 4 minutes): with steps up to 3
+# or 9 the 5M-parameter target copies every number but its units digit stays at chance
+# (accuracy at T=1 about 3%); with +/-1 it reaches 47% (greedy 77%).
+MAX_STEP = 1
 MAX_VALUE = 99  # every total stays in 0..MAX_VALUE, so numbers are 1-2 digits
 
 # Every character a prompt or a response can contain; the tokenizer is built from it.

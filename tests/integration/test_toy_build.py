@@ -1,0 +1,38 @@
+"""The built toy target: the result `draftadapt toy build` reports, and both loaders read it."""
+
+from __future__ import annotations
+
+import json
+
+from draftadapt.toy import task
+
+
+def test_build_reports_partial_accuracy(toy_target):
+    """Issue 2 asks for 20-60% accuracy at temperature 1 so RL has room to improve; the
+    default build measured 0.47 in 250 s on 2 cores. Tolerance: 0.15-0.70 (256 held-out
+    problems, one sample each: the standard error alone is about 0.03)."""
+    result_file = toy_target / "build_result.json"
+    if not result_file.is_file():  # a toy passed in with DRAFTADAPT_TEST_TOY: its toy.json
+        result_file = toy_target / "toy.json"
+    result = json.loads(result_file.read_text())
+    assert 0.15 <= result["accuracy"] <= 0.70, result
+    assert 4_000_000 <= result["params"] <= 6_000_000, result
+    heldout = task.load_heldout(toy_target)
+    assert len(heldout) >= 64
+    assert all(task.answer_for(p["prompt"]) == p["answer"] for p in heldout)
+
+
+def test_transformers_loads_and_solves_greedily(toy_target):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(toy_target))
+    tok = AutoTokenizer.from_pretrained(str(toy_target))
+    problems = task.load_heldout(toy_target)[:32]
+    from draftadapt.toy.build import sample
+
+    torch.set_num_threads(1)
+    completions = sample(model, tok, [p["prompt"] for p in problems], temperature=0.0, max_new_tokens=96)
+    solved = sum(task.reward(p, c) for p, c in zip(problems, completions)) / len(problems)
+    # Greedy decoding skips the slips the target imitates at T=1: measured 0.77 on 128 problems.
+    assert solved >= 0.4, (solved, completions[:3])
