@@ -19,7 +19,8 @@ def test_demo_smoke(toy_target, tmp_path):
     cmd = [sys.executable, "-m", "draftadapt.cli", "demo", "--out", str(out), "--steps", "3",
            "--toy", str(toy_target), f"draft={draft}", "grpo.prompts_per_step=4", "grpo.group_size=4",
            "eval.prompts=8", "adapter.schedule.train_steps=2", "adapter.batch_size=8",
-           "adapter.schedule.min_sequences=8", "grpo.max_tokens=64", "eval.max_tokens=64"]
+           "adapter.schedule.min_sequences=8", "grpo.max_tokens=64", "eval.max_tokens=64",
+           "fresh_prompts=48", "fresh_max_minutes=0.2"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     last = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -38,3 +39,9 @@ def test_demo_smoke(toy_target, tmp_path):
                  "draft/age_policy_versions", "train/loss", "stage/gen_s", "stage/train_s", "stage/adapt_s"):
         assert name in keys, name
     assert list((out / "tb").glob("events.out.tfevents*"))
+    # the reference: a fresh draft pretrained on the final policy, measured in the same engine
+    fresh = summary["fresh_final"]
+    assert 1.0 <= fresh["acceptance_length"] <= 4.0
+    assert 1.0 <= fresh["adapted_final_acceptance"] <= 4.0
+    assert (out / "draft_fresh_final" / "draftadapt.json").is_file()
+    assert "adapted_over_fresh_final_acceptance" in last
