@@ -165,6 +165,7 @@ class DraftAdapter:
         self._drift_ref: float | None = None  # acceptance at the last publish (drift trigger)
         self._measured: float | None = None
         self._expected_checksum: dict[int, str] = {}  # id(engine) -> checksum we swapped in
+        self._expected_path: dict[int, Path] = {}  # id(engine) -> the draft dir it came from
         self._last_metrics: dict[str, float] = {}
         latest = self.store.latest()
         if latest is None:
@@ -222,8 +223,12 @@ class DraftAdapter:
         self.policy_version = version
 
     def report_measured(self, acceptance_length: float) -> None:
-        """The acceptance length the engine measured for the live draft (feeds the drift trigger)."""
+        """The acceptance length the engine measured for the live draft (feeds the drift trigger).
+
+        The first measurement after a publish is the reference a later drop is measured against."""
         self._measured = float(acceptance_length)
+        if self._drift_ref is None:
+            self._drift_ref = self._measured
 
     # ------------------------------------------------------------------ capture
 
@@ -247,8 +252,10 @@ class DraftAdapter:
             yield self._captured(items[i : i + size])
 
     def score(self, module, items: list) -> float:
-        """Simulated acceptance length (vLLM's greedy drafting, k tokens) on captured ``items``."""
-        visited, _ = score_draft(module, self._batches(items, self.cfg.batch_size), self.cfg.k)
+        """Simulated acceptance length (vLLM's greedy drafting, k tokens) on replay ``items``
+        (captured against the adapter's current policy) or on already captured batches."""
+        batches = items if items and isinstance(items[0], CapturedBatch) else self._batches(items, self.cfg.batch_size)
+        visited, _ = score_draft(module, batches, self.cfg.k)
         return visited.length
 
     # ------------------------------------------------------------------ the loop
@@ -260,7 +267,10 @@ class DraftAdapter:
         if s.every_n_steps and self._steps_since_train >= s.every_n_steps:
             return True, "schedule"
         if s.drift_fraction and self._drift_ref is not None:
-            now = self._measured if self._measured is not None else self._live_score
+            now = self._measured
+            if now is None and self._steps_since_train > 0:
+                # no engine measurement: simulate the live draft on the newest held-out rollouts
+                now = self.score(self._live_module(), self.replay.heldout())
             if now is not None and now < self._drift_ref * (1 - s.drift_fraction):
                 return True, "drift"
         return False, "not_due"
@@ -281,15 +291,17 @@ class DraftAdapter:
         if not heldout or not train:
             metrics["adapt/skipped"] = 1.0
             return metrics
-        live = self._live_score
-        if live is None:
-            live = self.score(self._live_module(), heldout)
+        # Both drafts are scored on the same held-out rollouts, captured once against the current
+        # policy: a score remembered from an older policy is not comparable (when the policy moves
+        # fast every score falls, and a stale live score would reject every candidate).
+        held = list(self._batches(heldout, self.cfg.batch_size))
+        live = self.score(self._live_module(), held)
         self._refresh_shared_embeddings()
         n = self.cfg.schedule.train_steps
         bs = self.cfg.batch_size
         picks = [self.replay.sample(n_seqs=bs, rng=self.rng, items=train) for _ in range(n)]
         train_metrics = self.trainer.train_steps((self._captured(p) for p in picks), n=n)
-        candidate = self.score(self.trainer.export_draft(), heldout)
+        candidate = self.score(self.trainer.export_draft(), held)
         metrics.update({k: v for k, v in train_metrics.items() if k.startswith("train/")})
         metrics.update({
             "adapt/trained": 1.0,
@@ -304,6 +316,9 @@ class DraftAdapter:
             metrics["adapt/published"] = 1.0
             metrics["draft/published_version"] = float(version)
             self._live_score = candidate
+            # drift is measured from here: the engine's next measurement of this draft, or
+            # (without an engine) its simulated score
+            self._drift_ref = None if self._measured is not None else candidate
         else:
             metrics["adapt/rejected"] = 1.0
             self._live_score = live
@@ -313,16 +328,19 @@ class DraftAdapter:
             self.logger.log_dict(metrics, step=self.policy_version)
         return metrics
 
-    def _refresh_shared_embeddings(self) -> None:
+    def _refresh_shared_embeddings(self, head=None) -> None:
         """A head that shares the target's embed_tokens sees the policy's current ones (as in vLLM)."""
-        head = self.trainer.draft
+        head = self.trainer.draft if head is None else head
         if self.cfg.method == "eagle3" and head.cfg.share_embeddings:
             with torch.no_grad():
                 head.embed_tokens.weight.copy_(self.policy.get_input_embeddings().weight)
 
     def _live_module(self):
+        """The newest published draft as the engine serves it (shared modules from the current policy)."""
         latest = self.store.latest()
-        return _load_draft(latest.path, self.policy_dir, self.cfg.method)[0]
+        module = _load_draft(latest.path, self.policy_dir, self.cfg.method)[0]
+        self._refresh_shared_embeddings(module)
+        return module
 
     def _publish_module(self, module, policy_version: int) -> int:
         from draftadapt.drafts.formats import export_eagle3
@@ -339,7 +357,6 @@ class DraftAdapter:
                 export_small_lm(module, tmp, self.policy_dir, meta=m)
 
         version, _ = self.store.publish(write, policy_version=int(policy_version))
-        self._drift_ref = self._measured if self._measured is not None else self._live_score
         return version
 
     def publish(self) -> int:
@@ -359,6 +376,7 @@ class DraftAdapter:
             return None
         res = engine.swap_draft(latest.path)
         self._expected_checksum[id(engine)] = res.checksum
+        self._expected_path[id(engine)] = latest.path
         if self.logger is not None:
             self.logger.log_dict({"swap/ms": res.ms, "draft/version": float(res.version)}, step=self.policy_version)
         return res
@@ -373,7 +391,8 @@ class DraftAdapter:
         state = engine.draft_state()
         if expected is None or state["checksum"] == expected:
             return True
-        path = engine.draft_dir
+        # the version this adapter put in (the engine's own record may be what went wrong)
+        path = self._expected_path.get(id(engine), engine.draft_dir)
         res = engine.swap_draft(path)
         self._expected_checksum[id(engine)] = res.checksum
         if self.logger is not None:

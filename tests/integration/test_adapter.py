@@ -1,0 +1,176 @@
+"""DraftAdapter against a real vLLM engine: train -> validate -> publish -> swap, the async
+version guard, validation rejecting a worse candidate, the integrity guard, the drift trigger,
+and the same loop for a small draft LM (method draft_model)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from draftadapt.adapter import AdapterConfig, DraftAdapter, ScheduleConfig
+from draftadapt.data.store import DraftStore
+from draftadapt.drafts.formats import META_FILE, WEIGHTS_FILE, file_sha256
+from draftadapt.drafts.init import init_draft
+from draftadapt.train.trainer import TrainConfig
+
+from .conftest import start_engine, stop_engine, toy_prompts
+
+pytestmark = pytest.mark.integration
+K = 3
+
+
+def small_cfg(method: str = "eagle3", **train) -> AdapterConfig:
+    """Small rounds: the point here is the control flow against a real engine, not quality."""
+    tc = TrainConfig(lr=train.pop("lr", 3e-3), warmup_steps=0, schedule="constant", threads=1, **train)
+    return AdapterConfig(method=method, k=K, batch_size=8, train=tc,
+                         schedule=ScheduleConfig(every_n_steps=1, drift_fraction=0.0, train_steps=6, min_sequences=8))
+
+
+def policy_weights(target, scale: float = 0.0, seed: int = 0) -> dict[str, torch.Tensor]:
+    """The target's weights, optionally nudged (a stand-in for one RL update)."""
+    sd = load_file(str(target / "model.safetensors"))
+    if scale:
+        g = torch.Generator().manual_seed(seed)
+        sd = {k: v + scale * v.std() * torch.randn(v.shape, generator=g) if v.ndim == 2 else v for k, v in sd.items()}
+    return sd
+
+
+@pytest.fixture(scope="module")
+def world(toy_target, tmp_path_factory):
+    root = tmp_path_factory.mktemp("adapter")
+    draft0 = init_draft(toy_target, "eagle3", root / "draft0", seed=0)
+    engine = start_engine(toy_target, draft0, method="eagle3", k=K)
+    prompts = toy_prompts(toy_target, 48)
+    yield {"root": root, "draft0": draft0, "engine": engine, "prompts": prompts}
+    stop_engine(engine)
+
+
+def rollouts(world, seed: int, n: int = 48):
+    return world["engine"].generate(world["prompts"][:n], temperature=1.0, max_tokens=64, seed=seed).rollouts
+
+
+def test_train_validate_publish_swap(world, toy_target):
+    engine = world["engine"]
+    adapter = DraftAdapter(toy_target, world["draft0"], world["root"] / "out", small_cfg())
+    assert adapter.live_version == 1  # the starting draft is the run's first version
+    adapter.observe(rollouts(world, seed=1), policy_version=0)
+    m = adapter.step()
+    assert m["adapt/trained"] == 1.0 and m["adapt/published"] == 1.0, m
+    # a random head trained for a few steps beats itself untrained on held-out rollouts
+    assert m["accept/simulated_length"] > m["accept/simulated_live"], m
+    latest = adapter.store.latest()
+    assert latest.version == 2 and latest.policy_version == 0
+    meta = json.loads((latest.path / META_FILE).read_text())
+    assert meta["sha256"] == file_sha256(latest.path / WEIGHTS_FILE)
+    assert meta["version"] == 2 and meta["policy_version"] == 0
+
+    res = adapter.swap(engine)
+    assert res is not None and res.version == 2 and engine.draft_version == 2
+    assert engine.draft_state()["checksum"] == res.checksum
+    assert adapter.swap(engine) is None  # already live: nothing to do
+    gen = engine.generate(world["prompts"][:8], temperature=1.0, max_tokens=32, seed=2)
+    assert gen.spec.drafts > 0
+
+
+@pytest.fixture(scope="module")
+def trained(world, toy_target):
+    """A head that has had one adaptation round on the engine's rollouts (better than draft0)."""
+    adapter = DraftAdapter(toy_target, world["draft0"], world["root"] / "trained", small_cfg())
+    adapter.observe(rollouts(world, seed=11), policy_version=0)
+    assert adapter.step()["adapt/published"] == 1.0
+    return adapter.store.latest().path
+
+
+def test_async_never_swaps_in_a_draft_of_a_newer_policy(world, toy_target):
+    """The trainer is at policy v+1 while the engine still serves v: the draft trained against
+    v+1 waits until the engine serves v+1."""
+    engine = world["engine"]
+    adapter = DraftAdapter(toy_target, world["draft0"], world["root"] / "async", small_cfg())
+    adapter.swap(engine)  # the run's version 1 (the starting draft) goes live
+    served = engine.policy_version
+    adapter.observe(rollouts(world, seed=3), policy_version=served)
+    new_weights = policy_weights(toy_target, scale=0.02, seed=1)
+    adapter.update_policy(new_weights, version=served + 1)
+    m = adapter.step()
+    assert m["adapt/published"] == 1.0, m
+    newest = adapter.store.latest()
+    assert newest.policy_version == served + 1
+    before = engine.draft_state()
+    assert adapter.swap(engine) is None  # nothing the engine may serve yet is newer than what it has
+    assert engine.draft_state() == before
+    engine.update_policy(new_weights, version=served + 1)
+    try:
+        assert adapter.check_integrity(engine)  # the policy sync left the draft alone
+        res = adapter.swap(engine)
+        assert res is not None and res.version == newest.version
+    finally:
+        engine.update_policy(policy_weights(toy_target), version=served + 2)  # back to the toy's weights
+
+
+def test_validation_rejects_a_worse_candidate(world, trained, toy_target):
+    """A destructive learning rate makes the candidate worse than the live draft on held-out
+    rollouts: nothing is published and the engine keeps serving the live version."""
+    out = world["root"] / "reject"
+    adapter = DraftAdapter(toy_target, trained, out, small_cfg(lr=5.0))
+    live = adapter.store.latest()
+    adapter.observe(rollouts(world, seed=4), policy_version=0)
+    m = adapter.step()
+    assert m["adapt/trained"] == 1.0 and m["adapt/rejected"] == 1.0 and m["adapt/published"] == 0.0, m
+    assert m["accept/simulated_length"] < m["accept/simulated_live"] * 0.99, m
+    assert adapter.store.latest().version == live.version
+    assert DraftStore(out).versions() == [live.version]
+
+
+def test_integrity_guard_swaps_the_lost_draft_back(world, trained, toy_target):
+    engine = world["engine"]
+    adapter = DraftAdapter(toy_target, trained, world["root"] / "guard", small_cfg())
+    res = adapter.swap(engine)
+    assert res is not None
+    expected = res.checksum
+    assert adapter.check_integrity(engine)
+    # something else (a weight sync gone wrong, a sleep/wake) puts another draft in behind our back
+    engine.swap_draft(world["draft0"])
+    assert engine.draft_state()["checksum"] != expected
+    assert not adapter.check_integrity(engine)  # detected and repaired
+    assert engine.draft_state()["checksum"] == expected
+    assert adapter.check_integrity(engine)
+
+
+def test_drift_trigger_trains_only_when_acceptance_fell(world, trained, toy_target):
+    cfg = small_cfg()
+    cfg.schedule = ScheduleConfig(every_n_steps=0, drift_fraction=0.10, train_steps=2, min_sequences=8)
+    adapter = DraftAdapter(toy_target, trained, world["root"] / "drift", cfg)
+    adapter.observe(rollouts(world, seed=5), policy_version=0)
+    assert adapter.step().get("adapt/skipped") == 1.0  # no schedule, no reference yet
+    adapter.report_measured(3.0)  # the engine's first measurement of the live draft: the reference
+    published = adapter.store.latest().version
+    adapter.observe(rollouts(world, seed=6), policy_version=0)
+    adapter.report_measured(2.9)  # -3%: within the 10% band
+    assert adapter.step().get("adapt/skipped") == 1.0
+    adapter.report_measured(2.5)  # -17% since the last publish: drift
+    m = adapter.step()
+    assert m["adapt/trained"] == 1.0 and m["adapt/trigger_drift"] == 1.0, m
+    assert adapter.store.latest().version >= published
+
+
+def test_draft_lm_adapts_and_swaps(toy_target, tmp_path):
+    """The same loop with a small draft LM served by method draft_model."""
+    draft0 = init_draft(toy_target, "draft_model", tmp_path / "lm0", seed=0)
+    engine = start_engine(toy_target, draft0, method="draft_model", k=K)
+    try:
+        adapter = DraftAdapter(toy_target, draft0, tmp_path / "out", small_cfg("draft_model"))
+        gen = engine.generate(toy_prompts(toy_target, 48), temperature=1.0, max_tokens=64, seed=1)
+        adapter.observe(gen.rollouts, policy_version=0)
+        m = adapter.step()
+        assert m["adapt/published"] == 1.0, m
+        assert m["accept/simulated_length"] > m["accept/simulated_live"], m
+        res = adapter.swap(engine)
+        assert res is not None and res.version == 2
+        assert engine.draft_state()["checksum"] == res.checksum
+        after = engine.generate(toy_prompts(toy_target, 8), temperature=1.0, max_tokens=32, seed=2)
+        assert after.spec.drafts > 0
+    finally:
+        stop_engine(engine)
