@@ -43,6 +43,10 @@ class ToyTrainConfig:
     bucket: int = 8  # draw bucket * batch_size problems, sort by length: little padding
     max_train_seconds: float = 240.0  # stop early on a slow or busy machine: build stays < 5 min
     slip: float = 0.12  # share of worked steps written wrong in the training data (see task.make_problem)
+    # Share of training responses in the "verbose" style. Rare on purpose: the demo's RL reward
+    # prefers verbose answers, so the policy moves to text its pretrained draft has seldom seen
+    # (the drift online adaptation exists for).
+    verbose_share: float = 0.08
     heldout: int = 256
     max_new_tokens: int = 96  # the longest response is about 75 characters
     eval_every: int = 0  # > 0: print held-out accuracy every this many steps (tuning)
@@ -72,11 +76,16 @@ def make_batch(examples: list[tuple[list[int], int]]) -> dict[str, torch.Tensor]
 def batches(tok: PreTrainedTokenizerFast, rng: random.Random, cfg: ToyTrainConfig):
     """Endless training batches of fresh problems, grouped by length to save padding."""
     while True:
-        pool = [encode_example(tok, task.make_problem(rng, slip=cfg.slip)) for _ in range(cfg.bucket * cfg.batch_size)]
+        pool = [encode_example(tok, task.make_problem(rng, style=_draw_style(rng, cfg), slip=cfg.slip))
+                for _ in range(cfg.bucket * cfg.batch_size)]
         pool.sort(key=lambda e: len(e[0]))
         chunks = [pool[i : i + cfg.batch_size] for i in range(0, len(pool), cfg.batch_size)]
         rng.shuffle(chunks)
         yield from (make_batch(c) for c in chunks)
+
+
+def _draw_style(rng: random.Random, cfg: ToyTrainConfig) -> str:
+    return "verbose" if rng.random() < cfg.verbose_share else "terse"
 
 
 def lr_at(step: int, cfg: ToyTrainConfig) -> float:
@@ -200,16 +209,15 @@ def save(out: Path, model: PreTrainedModel, tok: PreTrainedTokenizerFast, heldou
 
 
 def pick_threads(requested: int) -> int:
-    """Torch threads for training. Two OpenMP threads that spin-wait on a core another
-    process is using ran 5-6x slower than one thread here (2-core machine, 11 s vs 1.7 s
-    a step), so "auto" drops a thread only when the 1-minute load average says nearly every
-    core is taken. An idle 2-core VM here idles at a load of 0.8-1.0 (kernel threads), so a
-    lower bar took one thread on an idle machine (1.25 s a step instead of 0.74 s)."""
+    """Torch threads for training: ``requested``, or (0 = auto) every core up to 4 (a
+    5M-parameter model gains nothing from more). Not guessed from the load average: right
+    after another job (pip, a previous run) the 1-minute average stays high for a while and
+    a build that took one thread on an idle 2-core machine ran 1.7x slower (1.25 s a step
+    instead of 0.74 s). On a machine shared with other trainers pass ``threads=1``: two
+    OpenMP threads spinning on a busy core ran 5-6x slower than one here."""
     if requested > 0:
         return requested
-    cores = min(4, os.cpu_count() or 1)  # a 5M-parameter model gains nothing from more
-    busy = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-    return cores - 1 if cores > 1 and busy >= cores - 0.25 else cores
+    return min(4, os.cpu_count() or 1)
 
 
 def build(out: str, arch: str = "llama", seed: int = 0, steps: int | None = None,

@@ -20,7 +20,7 @@ def test_demo_smoke(toy_target, tmp_path):
            "--toy", str(toy_target), f"draft={draft}", "grpo.prompts_per_step=4", "grpo.group_size=4",
            "eval.prompts=8", "adapter.schedule.train_steps=2", "adapter.batch_size=8",
            "adapter.schedule.min_sequences=8", "grpo.max_tokens=64", "eval.max_tokens=64",
-           "fresh_prompts=48", "fresh_max_minutes=0.2"]
+           "pretrain_prompts=48", "fresh_max_minutes=0.2"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     last = json.loads(proc.stdout.strip().splitlines()[-1])
