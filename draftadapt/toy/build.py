@@ -43,10 +43,11 @@ class ToyTrainConfig:
     bucket: int = 8  # draw bucket * batch_size problems, sort by length: little padding
     max_train_seconds: float = 240.0  # stop early on a slow or busy machine: build stays < 5 min
     slip: float = 0.12  # share of worked steps written wrong in the training data (see task.make_problem)
-    # Share of training responses in the "verbose" style. Rare on purpose: the demo's RL reward
-    # prefers verbose answers, so the policy moves to text its pretrained draft has seldom seen
-    # (the drift online adaptation exists for).
-    verbose_share: float = 0.08
+    # Share of training responses in the "verbose" style (the demo's RL reward prefers it).
+    # Tried 0.08, so that RL moves the policy to text its pretrained draft seldom saw: the frozen
+    # draft fell further (3.14 -> 2.9) but the policy lost accuracy while shifting (0.45 -> 0.33)
+    # and the adapted draft stayed too low (3.2) for a 1.3x engine speedup; see issue 4's notes.
+    verbose_share: float = 0.5
     heldout: int = 256
     max_new_tokens: int = 96  # the longest response is about 75 characters
     eval_every: int = 0  # > 0: print held-out accuracy every this many steps (tuning)
