@@ -26,7 +26,7 @@ import torch
 from draftadapt.adapter import AdapterConfig, DraftAdapter, ScheduleConfig
 from draftadapt.config import ConfigError, load_config, save_config
 from draftadapt.data.sequences import Sequence, collate
-from draftadapt.engine.rollout import RolloutEngine
+from draftadapt.engine.rollout import DraftSwapError, RolloutEngine
 from draftadapt.metrics.logger import make_logger
 from draftadapt.toy import task
 
@@ -265,9 +265,18 @@ def measure_fresh(cfg: DemoConfig, out: Path, spec: RolloutEngine, prompts: list
         *pretrain_overrides(cfg)]))
     seconds = time.perf_counter() - t0
     adapted_dir = spec.draft_dir
-    spec.swap_draft(fresh_dir)
-    m = measure(spec, prompts, cfg)
-    spec.swap_draft(adapted_dir)
+    try:
+        spec.swap_draft(fresh_dir)
+    except DraftSwapError:  # a user's draft= of another architecture: serve the fresh one apart
+        engine = RolloutEngine(out / "final_policy", fresh_dir, method="eagle3", num_speculative_tokens=cfg.k,
+                               threads=cfg.engine_threads, seed=cfg.seed)
+        try:
+            m = measure(engine, prompts, cfg)
+        finally:
+            engine.close()
+    else:
+        m = measure(spec, prompts, cfg)
+        spec.swap_draft(adapted_dir)
     m_adapted = measure(spec, prompts, cfg)
     return {"acceptance_length": m["acceptance_length"], "per_position": m["per_position"],
             "tokens_per_s": m["tokens_per_s"], "adapted_final_acceptance": m_adapted["acceptance_length"],
