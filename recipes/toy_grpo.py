@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -351,6 +352,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    # SIGTERM (a scheduler's kill, `kill PID`) unwinds like Ctrl-C, so run()'s finally closes the
+    # vLLM engines: otherwise their EngineCore/Worker processes outlive us and keep polling a core.
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     summary = run(cfg)
     lt = summary["last_third"]
     print(json.dumps({"steps": summary["steps"], "seconds": round(summary["seconds"], 1),
