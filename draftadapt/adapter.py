@@ -164,8 +164,8 @@ class DraftAdapter:
         self._live_score: float | None = None  # simulated length of the last published draft
         self._drift_ref: float | None = None  # acceptance at the last publish (drift trigger)
         self._measured: float | None = None
-        self._expected_checksum: dict[int, str] = {}  # id(engine) -> checksum we swapped in
-        self._expected_path: dict[int, Path] = {}  # id(engine) -> the draft dir it came from
+        # id(engine) -> (checksum read back after our swap, the draft dir it came from)
+        self._swapped_in: dict[int, tuple[str, Path]] = {}
         self._last_metrics: dict[str, float] = {}
         latest = self.store.latest()
         if latest is None:
@@ -375,8 +375,7 @@ class DraftAdapter:
         if latest is None or latest.version == engine.draft_version:
             return None
         res = engine.swap_draft(latest.path)
-        self._expected_checksum[id(engine)] = res.checksum
-        self._expected_path[id(engine)] = latest.path
+        self._swapped_in[id(engine)] = (res.checksum, latest.path)
         if self.logger is not None:
             self.logger.log_dict({"swap/ms": res.ms, "draft/version": float(res.version)}, step=self.policy_version)
         return res
@@ -387,14 +386,13 @@ class DraftAdapter:
         Other systems lost their drafts silently on weight sync or sleep/wake (DESIGN.md). Returns
         True when the draft was intact.
         """
-        expected = self._expected_checksum.get(id(engine), engine.live_checksum)
+        # what this adapter put in (the engine's own record may be what went wrong)
+        expected, path = self._swapped_in.get(id(engine), (engine.live_checksum, engine.draft_dir))
         state = engine.draft_state()
         if expected is None or state["checksum"] == expected:
             return True
-        # the version this adapter put in (the engine's own record may be what went wrong)
-        path = self._expected_path.get(id(engine), engine.draft_dir)
         res = engine.swap_draft(path)
-        self._expected_checksum[id(engine)] = res.checksum
+        self._swapped_in[id(engine)] = (res.checksum, path)
         if self.logger is not None:
             self.logger.log_dict({"draft/integrity_repairs": 1.0}, step=self.policy_version)
         return False
