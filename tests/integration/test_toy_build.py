@@ -36,3 +36,30 @@ def test_transformers_loads_and_solves_greedily(toy_target):
     solved = sum(task.reward(p, c) for p, c in zip(problems, completions)) / len(problems)
     # Greedy decoding skips the slips the target imitates at T=1: measured 0.77 on 128 problems.
     assert solved >= 0.4, (solved, completions[:3])
+
+
+def test_sft_stage_makes_verbose_rare_but_still_well_written(toy_target):
+    """The build ends with a terse-only SFT stage until the verbose style's probability is at
+    most 0.04 (checked every 2 steps, so it can undershoot: 0.024 measured from 0.42). The
+    policy must still write verbose answers when put on that path: the demo's RL moves it there.
+    Tolerance: probability in [0.003, 0.08]; greedy verbose solving >= 0.4 of 32 problems
+    (measured 0.45 at T=1 on 128 after the stage, greedy is higher)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from draftadapt.toy.build import sample, verbose_probability
+
+    model = AutoModelForCausalLM.from_pretrained(str(toy_target))
+    tok = AutoTokenizer.from_pretrained(str(toy_target))
+    torch.set_num_threads(1)
+    heldout = task.load_heldout(toy_target)
+    p = verbose_probability(model, tok, heldout[:128])
+    assert 0.003 <= p <= 0.08, p
+    problems = heldout[:32]
+    starts = [f"{task.parse_prompt(q['prompt'])[2]}: " for q in problems]
+    completions = sample(model, tok, [q["prompt"] + s for q, s in zip(problems, starts)], temperature=0.0,
+                         max_new_tokens=96)
+    completions = [s + c for s, c in zip(starts, completions)]
+    assert all(task.style_of(c) == "verbose" for c in completions)
+    solved = sum(task.reward(q, c) for q, c in zip(problems, completions)) / len(problems)
+    assert solved >= 0.4, (solved, completions[:3])
