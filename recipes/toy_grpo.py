@@ -128,7 +128,7 @@ def grpo_update(policy, reference, opt, problems, rollouts, cfg: GRPOConfig, pad
     correct = [task.reward(p, r.text) for p, r in zip(problems, rollouts)]
     styled = [task.style_of(r.text) == cfg.style for r in rollouts]
     return {"rl/reward": float(R.mean()), "rl/accuracy": sum(correct) / len(correct),
-            "rl/style_frac": sum(styled) / len(styled), "rl/loss": float(loss), "rl/kl": float(kl)}
+            "rl/style_frac": sum(styled) / len(styled), "rl/loss": float(loss.detach()), "rl/kl": float(kl.detach())}
 
 
 def pretrain_overrides(cfg: DemoConfig) -> list[str]:
