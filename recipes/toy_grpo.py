@@ -95,6 +95,13 @@ def token_logprobs(model, batch: dict) -> torch.Tensor:
     return logp.gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
 
 
+def kl_to_reference(lp: torch.Tensor, ref_lp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean over masked tokens of the k3 estimator of KL(policy || reference), from the sampled
+    tokens' log-probabilities under each; differentiable in ``lp``."""
+    d = ref_lp - lp  # log(ref / policy) per token
+    return ((torch.exp(d) - d - 1) * mask).sum() / mask.sum()
+
+
 def grpo_update(policy, reference, opt, problems, rollouts, cfg: GRPOConfig, pad_id: int, step: int) -> dict:
     """One on-policy GRPO step: group-normalised advantages, REINFORCE on the sampled tokens
     (length-normalised per sequence), plus a per-token KL penalty to the initial policy."""
@@ -118,8 +125,7 @@ def grpo_update(policy, reference, opt, problems, rollouts, cfg: GRPOConfig, pad
     if cfg.kl_coef:
         with torch.no_grad():
             ref_lp = token_logprobs(reference, batch)
-        d = ref_lp - lp  # log(ref / policy) per token
-        kl = ((torch.exp(d) - d - 1) * mask).sum() / mask.sum()  # k3 estimator of KL(policy || ref)
+        kl = kl_to_reference(lp, ref_lp, mask)
     loss = pg + cfg.kl_coef * kl
     loss.backward()
     torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
