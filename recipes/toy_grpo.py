@@ -53,6 +53,7 @@ class GRPOConfig:
     # the run (measured offline: verbose 2% -> 71% by step 12, 97% by step 15; reward 0.4 -> 1.16).
     style: str = "verbose"
     style_bonus: float = 1.0
+    micro_batch: int = 32  # sequences per forward/backward in the update (gradients accumulate)
 
     def lr_at(self, step: int) -> float:
         return self.lr * min(1.0, (step + 1) / (self.warmup_steps + 1))
@@ -113,28 +114,40 @@ def grpo_update(policy, reference, opt, problems, rollouts, cfg: GRPOConfig, pad
         rewards.append(rew)
     R = torch.tensor(rewards).view(-1, cfg.group_size)  # [P, G]
     adv = ((R - R.mean(1, keepdim=True)) / (R.std(1, keepdim=True) + 1e-4)).view(-1)
-    batch = collate([Sequence(list(r.prompt_token_ids), list(r.token_ids)) for r in rollouts], pad_id)
-    mask = batch["loss_mask"][:, :-1].float()  # slots whose next token is a response token
+    seqs = [Sequence(list(r.prompt_token_ids), list(r.token_ids)) for r in rollouts]
+    n = len(seqs)
+    n_tokens = sum(len(s.ids) - len(s.prompt_ids) for s in seqs)  # response tokens, for the KL mean
     policy.train()
     for g in opt.param_groups:
         g["lr"] = cfg.lr_at(step)
     opt.zero_grad(set_to_none=True)
-    lp = token_logprobs(policy, batch)
-    pg = -(adv * (lp * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean()
-    kl = torch.zeros(())
-    if cfg.kl_coef:
-        with torch.no_grad():
-            ref_lp = token_logprobs(reference, batch)
-        kl = kl_to_reference(lp, ref_lp, mask)
-    loss = pg + cfg.kl_coef * kl
-    loss.backward()
+    # Length-sorted micro-batches: the same loss and gradient as one padded batch (each term is a
+    # sum over sequences scaled by the whole batch's counts), without padding every sequence to
+    # the longest response of the step (verbose answers are ~2x the terse ones).
+    order = sorted(range(n), key=lambda i: len(seqs[i].ids))
+    pg_sum = kl_sum = 0.0
+    for lo in range(0, n, cfg.micro_batch):
+        idx = order[lo: lo + cfg.micro_batch]
+        batch = collate([seqs[i] for i in idx], pad_id)
+        mask = batch["loss_mask"][:, :-1].float()  # slots whose next token is a response token
+        lp = token_logprobs(policy, batch)
+        pg = -(adv[idx] * (lp * mask).sum(-1) / mask.sum(-1).clamp(min=1)).sum() / n
+        loss = pg
+        if cfg.kl_coef and mask.sum() > 0:
+            with torch.no_grad():
+                ref_lp = token_logprobs(reference, batch)
+            kl = kl_to_reference(lp, ref_lp, mask) * mask.sum() / max(n_tokens, 1)
+            loss = loss + cfg.kl_coef * kl
+            kl_sum += float(kl.detach())
+        loss.backward()
+        pg_sum += float(pg.detach())
     torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
     opt.step()
     policy.eval()
     correct = [task.reward(p, r.text) for p, r in zip(problems, rollouts)]
     styled = [task.style_of(r.text) == cfg.style for r in rollouts]
     return {"rl/reward": float(R.mean()), "rl/accuracy": sum(correct) / len(correct),
-            "rl/style_frac": sum(styled) / len(styled), "rl/loss": float(loss.detach()), "rl/kl": float(kl.detach())}
+            "rl/style_frac": sum(styled) / len(styled), "rl/loss": pg_sum + cfg.kl_coef * kl_sum, "rl/kl": kl_sum}
 
 
 def pretrain_overrides(cfg: DemoConfig) -> list[str]:

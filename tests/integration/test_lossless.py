@@ -86,9 +86,11 @@ def self_draft(known_target, tmp_path_factory):
     return export_small_lm(model, out, known_target, meta={"version": 0})
 
 
-@pytest.fixture(scope="module")
-def spec_engine(known_target, self_draft):
-    eng = start_engine(known_target, self_draft, method="draft_model", k=K)
+@pytest.fixture(scope="module", params=[True, False], ids=["in_process", "multiprocess"])
+def spec_engine(request, known_target, self_draft):
+    """Both executors: in this process (the CPU default) and vLLM's engine-core and worker
+    processes, where the sampling fix must be applied by the plugin in each child."""
+    eng = start_engine(known_target, self_draft, method="draft_model", k=K, in_process=request.param)
     yield eng
     stop_engine(eng)
 
@@ -128,7 +130,8 @@ def test_speculative_sampling_matches_the_target_distribution(spec_engine, tmp_p
 def test_detects_the_cpu_sampling_bug(known_target, self_draft, monkeypatch):
     """Without the fix, the same check fails: the test above has the power to catch the bug."""
     monkeypatch.setenv(cpu_fix.DISABLE_ENV, "1")
-    eng = start_engine(known_target, self_draft, method="draft_model", k=K)
+    # fresh engine processes: in this one the fix is already in place
+    eng = start_engine(known_target, self_draft, method="draft_model", k=K, in_process=False)
     try:
         seqs, _ = _sample(eng, seed=1)
     finally:

@@ -78,3 +78,34 @@ def test_kl_term_pulls_toward_the_reference(kl_coef):
 def test_warmup_ramps_the_learning_rate():
     cfg = _recipe().GRPOConfig(lr=8e-4, warmup_steps=3)
     assert [cfg.lr_at(s) for s in range(5)] == pytest.approx([2e-4, 4e-4, 6e-4, 8e-4, 8e-4])
+
+
+def test_micro_batches_give_the_update_of_one_batch():
+    """Length-sorted micro-batches (no padding to the step's longest response) must change the
+    speed only: the same loss, KL and parameters after the step as one padded batch."""
+    recipe = _recipe()
+    tok = build_tokenizer()
+    small = ToyModelConfig(num_layers=2, hidden_size=64, num_heads=2, num_kv_heads=2, intermediate_size=128)
+    reference = build_model(small, seed=0).eval()
+    start = copy.deepcopy(reference)
+    with torch.no_grad():
+        for p in start.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+    problems, rollouts = _rollouts(tok, 12, seed=5)  # mixed styles: lengths differ
+    assert len({len(r.token_ids) for r in rollouts}) > 3
+    # rewards differ within groups (some responses wrong), so the policy-gradient term acts too
+    rollouts = [r if i % 3 else SimpleNamespace(**{**vars(r), "text": "wrong"}) for i, r in enumerate(rollouts)]
+    results = {}
+    for micro in (len(rollouts), 5):
+        policy = copy.deepcopy(start)
+        cfg = recipe.GRPOConfig(group_size=4, kl_coef=0.5, style_bonus=0.5, lr=1e-2, warmup_steps=0, micro_batch=micro)
+        out = recipe.grpo_update(policy, reference, torch.optim.SGD(policy.parameters(), lr=cfg.lr),
+                                 problems, rollouts, cfg, 0, 0)
+        results[micro] = (out, torch.cat([p.detach().flatten() for p in policy.parameters()]))
+    (one, w_one), (many, w_many) = results[len(rollouts)], results[5]
+    moved = (w_one - torch.cat([p.detach().flatten() for p in start.parameters()])).abs().max()
+    assert moved > 1e-4  # the step did something
+    assert many["rl/loss"] == pytest.approx(one["rl/loss"], abs=1e-6)
+    assert many["rl/kl"] == pytest.approx(one["rl/kl"], rel=1e-5)
+    # float32 sums in another order: differences far below a thousandth of the step itself
+    assert (w_many - w_one).abs().max() < 1e-3 * moved
