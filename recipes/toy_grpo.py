@@ -180,6 +180,31 @@ def measure(engine: RolloutEngine, prompts: list[str], cfg: DemoConfig) -> dict:
     return out
 
 
+def measure_arms(plain: RolloutEngine, spec: RolloutEngine, draft0: Path, prompts: list[str], cfg: DemoConfig,
+                 step: int) -> tuple[dict, dict, dict]:
+    """No speculation, the frozen draft, the adapted draft: same prompts, same policy. The order
+    flips every step (plain first, then last), so a slow drift of this machine's speed does not
+    favour one arm's tokens/s."""
+    adapted_dir = spec.draft_dir
+
+    def frozen():
+        spec.swap_draft(draft0)
+        try:
+            return measure(spec, prompts, cfg)
+        finally:
+            spec.swap_draft(adapted_dir)
+
+    if step % 2 == 0:
+        m_plain = measure(plain, prompts, cfg)
+        m_frozen = frozen()
+        m_adapted = measure(spec, prompts, cfg)
+    else:
+        m_adapted = measure(spec, prompts, cfg)
+        m_frozen = frozen()
+        m_plain = measure(plain, prompts, cfg)
+    return m_plain, m_frozen, m_adapted
+
+
 def run(cfg: DemoConfig) -> dict:
     t_run = time.perf_counter()
     out = Path(cfg.out)
@@ -240,12 +265,7 @@ def run(cfg: DemoConfig) -> dict:
             row["stage/adapt_s"] = time.perf_counter() - t0
             row["draft/version"] = float(spec.draft_version or 0)
             # 4. the three arms on the same prompts, same policy
-            m_plain = measure(plain, eval_prompts, cfg)
-            adapted_dir = spec.draft_dir
-            spec.swap_draft(draft0)
-            m_frozen = measure(spec, eval_prompts, cfg)
-            spec.swap_draft(adapted_dir)
-            m_adapted = measure(spec, eval_prompts, cfg)
+            m_plain, m_frozen, m_adapted = measure_arms(plain, spec, draft0, eval_prompts, cfg, step)
             adapter.report_measured(m_adapted["acceptance_length"])
             for name, m in (("plain", m_plain), ("frozen", m_frozen), ("adapted", m_adapted)):
                 arms[name].append(m)

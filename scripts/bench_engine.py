@@ -5,8 +5,9 @@
 Prints swap latency p50/p95 over ``--swaps`` swaps of the toy Eagle-3 head (goal: p95 < 50 ms),
 then tokens/s at temperature 1 on the toy target's held-out prompts: plain, and with the draft
 (a fresh head from `draft init` unless ``--draft`` names a trained one), plus the measured
-acceptance length. Ratios come from one run on one machine; the two engines run one after the
-other, never at the same time.
+acceptance length; by default for both executors (vLLM in this process, the CPU default, and
+vLLM's engine-core + worker processes). Ratios come from one run on one machine; the engines run
+one after the other, never at the same time.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=3, help="timed generate rounds per engine")
+    ap.add_argument("--executor", choices=["in_process", "multiprocess", "both"], default="both",
+                    help="vLLM in this process (the CPU default) or in engine-core + worker processes")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -74,41 +77,54 @@ def main() -> int:
             spec = res.spec if spec is None else spec + res.spec
         return tok / sec, spec
 
-    eng = RolloutEngine(toy, draft, method="eagle3", num_speculative_tokens=args.k)
-    try:
-        ms = []
-        checks = set()
-        for i in tqdm(range(args.swaps), desc="swaps", file=sys.stderr):
-            res = eng.swap_draft(alt if i % 2 == 0 else draft)
-            ms.append(res.ms)
-            checks.add(res.checksum)
-        results["swap_ms_p50"] = round(median(ms), 2)
-        results["swap_ms_p95"] = round(percentile(ms, 95), 2)
-        results["swap_distinct_checksums"] = len(checks)
-        eng.swap_draft(draft)
-        tps_spec, spec = timed(eng)
-        results["tokens_per_s_spec"] = round(tps_spec, 1)
-        results["acceptance_length"] = round(spec.acceptance_length, 3)
-        results["per_position_acceptance"] = [round(x, 3) for x in spec.per_position_rate]
-    finally:
-        eng.close()
-    plain = RolloutEngine(toy, None)
-    try:
-        tps_plain, _ = timed(plain)
-    finally:
-        plain.close()
-    results["tokens_per_s_plain"] = round(tps_plain, 1)
-    results["speedup"] = round(tps_spec / tps_plain, 3)
+    def bench(in_process: bool) -> dict:
+        r: dict = {}
+        eng = RolloutEngine(toy, draft, method="eagle3", num_speculative_tokens=args.k, in_process=in_process)
+        try:
+            ms = []
+            checks = set()
+            for i in tqdm(range(args.swaps), desc="swaps", file=sys.stderr):
+                res = eng.swap_draft(alt if i % 2 == 0 else draft)
+                ms.append(res.ms)
+                checks.add(res.checksum)
+            r["swap_ms_p50"] = round(median(ms), 2)
+            r["swap_ms_p95"] = round(percentile(ms, 95), 2)
+            r["swap_distinct_checksums"] = len(checks)
+            eng.swap_draft(draft)
+            tps_spec, spec = timed(eng)
+            r["tokens_per_s_spec"] = round(tps_spec, 1)
+            r["acceptance_length"] = round(spec.acceptance_length, 3)
+            r["per_position_acceptance"] = [round(x, 3) for x in spec.per_position_rate]
+        finally:
+            eng.close()
+        plain = RolloutEngine(toy, None, in_process=in_process)
+        try:
+            tps_plain, _ = timed(plain)
+        finally:
+            plain.close()
+        r["tokens_per_s_plain"] = round(tps_plain, 1)
+        r["speedup"] = round(tps_spec / tps_plain, 3)
+        return r
+
+    executors = ["in_process", "multiprocess"] if args.executor == "both" else [args.executor]
+    for name in executors:
+        results[name] = bench(name == "in_process")
     shutil.rmtree(work, ignore_errors=True)
 
     if args.json:
         print(json.dumps(results))
     else:
-        print(f"swap latency over {args.swaps} swaps: p50 {results['swap_ms_p50']} ms, "
-              f"p95 {results['swap_ms_p95']} ms (goal p95 < 50 ms)")
-        print(f"tokens/s at T=1: plain {results['tokens_per_s_plain']}, speculative "
-              f"{results['tokens_per_s_spec']} (x{results['speedup']}), acceptance length "
-              f"{results['acceptance_length']} {results['per_position_acceptance']}")
+        for name in executors:
+            r = results[name]
+            print(f"[{name}] swap latency over {args.swaps} swaps: p50 {r['swap_ms_p50']} ms, "
+                  f"p95 {r['swap_ms_p95']} ms (goal p95 < 50 ms)")
+            print(f"[{name}] tokens/s at T=1: plain {r['tokens_per_s_plain']}, speculative "
+                  f"{r['tokens_per_s_spec']} (x{r['speedup']}), acceptance length "
+                  f"{r['acceptance_length']} {r['per_position_acceptance']}")
+        if len(executors) == 2:
+            a, b = results["in_process"], results["multiprocess"]
+            print(f"in-process over multiprocess tokens/s: plain x{a['tokens_per_s_plain'] / b['tokens_per_s_plain']:.3f}, "
+                  f"speculative x{a['tokens_per_s_spec'] / b['tokens_per_s_spec']:.3f}")
         print(json.dumps(results))
     return 0
 

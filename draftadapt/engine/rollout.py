@@ -10,6 +10,7 @@ start-up costs 20-30 s on CPU even for a tiny model.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import statistics
@@ -272,6 +273,8 @@ class RolloutEngine:
         if in_process and threads is not None:
             torch.set_num_threads(threads)
         self.in_process = in_process
+        if in_process:
+            _LIVE_IN_PROCESS.add(id(self))
         self.startup_s = time.perf_counter() - t0
         self._spec_counter = _attach_spec_counter(self.llm)
         self.tokenizer = self.llm.get_tokenizer()
@@ -442,11 +445,32 @@ class RolloutEngine:
         llm = getattr(self, "llm", None)
         if llm is None:
             return
-        try:
-            llm.llm_engine.engine_core.shutdown()
-        except Exception:
-            pass
         self.llm = None
+        client = llm.llm_engine.engine_core
+        try:
+            if getattr(self, "in_process", False):
+                _LIVE_IN_PROCESS.discard(id(self))
+                if _LIVE_IN_PROCESS:
+                    # vLLM's engine-core shutdown also tears down this process's distributed
+                    # groups, which the other in-process engines still use (they then fail with
+                    # "pipeline model parallel group is not initialized"). Free only this one's
+                    # worker and scheduler; the last engine to close does the full teardown.
+                    client._finalizer.detach()
+                    core = client.engine_core
+                    core.model_executor.shutdown()
+                    core.scheduler.shutdown()
+                    gc.unfreeze()  # vLLM froze the heap at start-up: let its memory be collected
+                    return
+            client.shutdown()
+        except Exception:  # best effort: a half-started or already dead engine
+            pass
+        finally:
+            del llm, client
+            gc.collect()
+
+
+# ids of the in-process engines not closed yet: they share this process's distributed groups
+_LIVE_IN_PROCESS: set[int] = set()
 
 
 def percentile(values: list[float], q: float) -> float:

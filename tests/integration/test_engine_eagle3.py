@@ -160,3 +160,21 @@ def test_engine_refuses_unfit_drafts(toy_target, known_target, tmp_path):
         f.unlink()
     with pytest.raises(DraftFormatError, match="tokenizer"):
         start_engine(notok, None)
+
+
+def test_closing_one_in_process_engine_leaves_the_others_serving(engine, drafts, toy_target):
+    """In-process engines share this process's distributed groups; vLLM's shutdown of one tore
+    them down under the others (the demo's fresh-reference pretrain closed its engine and the
+    RL engine then failed with "pipeline model parallel group is not initialized")."""
+    assert engine.in_process
+    prompts = toy_prompts(toy_target, 8)
+    before = engine.generate(prompts, temperature=0.0, max_tokens=24)
+    other = start_engine(toy_target)
+    assert other.in_process
+    assert other.generate(prompts, temperature=0.0, max_tokens=24).num_tokens > 0
+    stop_engine(other)
+    after = engine.generate(prompts, temperature=0.0, max_tokens=24)
+    assert [r.token_ids for r in after.rollouts] == [r.token_ids for r in before.rollouts]
+    swapped = engine.swap_draft(drafts["v1"])  # the worker RPC path still works
+    assert swapped.version == 1
+    engine.swap_draft(drafts["v0"])
