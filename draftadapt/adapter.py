@@ -76,6 +76,9 @@ class AdapterConfig:
     replay_max_bytes: int = 512 << 20  # and in bytes (handed-over hidden states count)
     recency_decay: float = 0.5  # sampling weight of a sequence = decay ** (newest version - its version)
     batch_size: int = 32  # sequences per capture / optimizer step
+    # Regroup one training round's draws by length (same sequences, same number of steps): each
+    # batch pads to its own longest sequence instead of to the longest of a random mix.
+    group_by_length: bool = True
     seed: int = 0
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     validate_cfg: ValidateConfig = field(default_factory=ValidateConfig)
@@ -87,6 +90,18 @@ class AdapterConfig:
             raise ConfigError(f"adapter.method {self.method!r}: use eagle3 or draft_model")
         if self.k < 1 or self.temperature <= 0:
             raise ConfigError(f"adapter.k >= 1 and adapter.temperature > 0 (got {self.k}, {self.temperature})")
+
+
+def group_by_length(batches: list[list[ReplayItem]], rng: random.Random) -> list[list[ReplayItem]]:
+    """The same items in the same batch sizes, regrouped shortest to longest, in a shuffled
+    (deterministic) batch order so no run of steps sees only long or only short sequences."""
+    pool = sorted((it for b in batches for it in b), key=lambda it: len(it.token_ids))
+    out, lo = [], 0
+    for b in batches:
+        out.append(pool[lo: lo + len(b)])
+        lo += len(b)
+    order = rng.sample(range(len(out)), len(out))
+    return [out[i] for i in order]
 
 
 def _as_token_seqs(rollouts: Iterable[Any]) -> list[TokenSeq]:
@@ -300,6 +315,8 @@ class DraftAdapter:
         n = self.cfg.schedule.train_steps
         bs = self.cfg.batch_size
         picks = [self.replay.sample(n_seqs=bs, rng=self.rng, items=train) for _ in range(n)]
+        if self.cfg.group_by_length:
+            picks = group_by_length(picks, self.rng)
         train_metrics = self.trainer.train_steps((self._captured(p) for p in picks), n=n)
         candidate = self.score(self.trainer.export_draft(), held)
         metrics.update({k: v for k, v in train_metrics.items() if k.startswith("train/")})

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import random
 import signal
@@ -172,8 +173,15 @@ def prepare_world(cfg: DemoConfig, out: Path) -> tuple[Path, Path]:
 
 
 def measure(engine: RolloutEngine, prompts: list[str], cfg: DemoConfig) -> dict:
-    res = engine.generate(prompts, temperature=cfg.grpo.temperature, max_tokens=cfg.eval.max_tokens,
-                          seed=cfg.eval.seed)
+    # The engine runs in this process (CPU): a garbage-collector pass over the trainer's heap
+    # inside a ~2 s timing would land on whichever arm it hits. Collect first, then hold it off.
+    gc.collect()
+    gc.disable()
+    try:
+        res = engine.generate(prompts, temperature=cfg.grpo.temperature, max_tokens=cfg.eval.max_tokens,
+                              seed=cfg.eval.seed)
+    finally:
+        gc.enable()
     out = {"tokens_per_s": res.tokens_per_s, "tokens": res.num_tokens,
            "acceptance_length": res.spec.acceptance_length,  # nan without speculation
            "per_position": res.spec.per_position_rate}
