@@ -16,6 +16,7 @@ import os
 import statistics
 import tempfile
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -206,8 +207,8 @@ class RolloutEngine:
     ):
         """``in_process`` runs vLLM's engine core and worker in this process (uni executor)
         instead of two child processes; None = on CPU only. Measured on a 2-core CPU
-        (scripts/bench_engine.py): ~1.4x the tokens/s of the multiprocess engine without
-        speculation and ~1.5x with it, because the engine core otherwise spins on one core
+        (scripts/bench_engine.py, 32 and 64 prompts): 1.1-1.6x the tokens/s of the multiprocess
+        engine without speculation and ~1.5x with it, because the engine core otherwise spins on one core
         waiting for the worker, which then gets the other core alone. ``threads`` is then this
         process's torch thread count while the engine runs (None: vLLM's choice)."""
         self.target = Path(target)
@@ -274,7 +275,7 @@ class RolloutEngine:
             torch.set_num_threads(threads)
         self.in_process = in_process
         if in_process:
-            _LIVE_IN_PROCESS.add(id(self))
+            _LIVE_IN_PROCESS.add(self)
         self.startup_s = time.perf_counter() - t0
         self._spec_counter = _attach_spec_counter(self.llm)
         self.tokenizer = self.llm.get_tokenizer()
@@ -449,7 +450,7 @@ class RolloutEngine:
         client = llm.llm_engine.engine_core
         try:
             if getattr(self, "in_process", False):
-                _LIVE_IN_PROCESS.discard(id(self))
+                _LIVE_IN_PROCESS.discard(self)
                 if _LIVE_IN_PROCESS:
                     # vLLM's engine-core shutdown also tears down this process's distributed
                     # groups, which the other in-process engines still use (they then fail with
@@ -469,8 +470,9 @@ class RolloutEngine:
             gc.collect()
 
 
-# ids of the in-process engines not closed yet: they share this process's distributed groups
-_LIVE_IN_PROCESS: set[int] = set()
+# in-process engines not closed yet (weakly: one dropped unclosed leaves the set by itself); they
+# share this process's distributed groups
+_LIVE_IN_PROCESS: weakref.WeakSet = weakref.WeakSet()
 
 
 def percentile(values: list[float], q: float) -> float:
