@@ -46,16 +46,16 @@ class GRPOConfig:
     group_size: int = 4  # samples per problem (GRPO group)
     max_tokens: int = 96  # response budget
     temperature: float = 1.0
-    # Policy learning rate, reached after warmup_steps. 1e-3 moves the style sooner than 7e-4 (same
-    # world: verbose 78% instead of 49% at step 9), so the last third is all on verbose text; the
-    # price is arithmetic (accuracy 0.5 -> 0.3 while the reward still rises 0.34 -> 1.31).
-    lr: float = 1e-3
+    # Policy learning rate, reached after warmup_steps. 1e-3 moved the style sooner (seed 0: verbose
+    # 78% instead of 49% at step 9) but on seed 1 it wrecked the arithmetic (accuracy 0.41 -> 0.08)
+    # and the adapted draft fell behind (last third 1.15x frozen instead of 1.21x at 7e-4).
+    lr: float = 7e-4
     warmup_steps: int = 3  # linear warmup: Adam's first, sign-like step at full rate cost half the accuracy
     kl_coef: float = 0.1  # KL(policy || initial policy) per token (k3 estimator), as in GRPO
     # Reward = correct final answer + style_bonus if the completion uses `style`. The toy target
     # writes both styles equally well but picks verbose ~3% of the time (toy build's SFT stage), so
     # its pretrained draft has seen little verbose text; the bonus moves the policy there within
-    # the run (measured in the demo at lr 1e-3: verbose 4% -> 78% by step 9, 98% by step 11).
+    # the run (seed 0: verbose 4% -> 49% by step 9, 98% by step 14).
     style: str = "verbose"
     style_bonus: float = 1.0
     micro_batch: int = 32  # sequences per forward/backward in the update (gradients accumulate)
