@@ -13,14 +13,7 @@ from draftadapt.train.trainer import DraftTrainer, TrainConfig, lr_lambda, score
 
 V = 24
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: one thread is fastest, and on a busy 2-core box two spinning OpenMP threads
-    made these tests 5x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/unit/conftest.py
 
 
 
