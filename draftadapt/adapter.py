@@ -45,12 +45,24 @@ class ScheduleConfig:
     drift_fraction: float = 0.05
     train_steps: int = 12  # optimizer steps per adaptation round
     min_sequences: int = 16  # do not train on fewer buffered sequences than this
+    # Catch-up: while the policy runs away from the draft, one round of train_steps is not enough.
+    # After each block of train_steps the candidate is scored on the held-out rollouts; another
+    # block follows while the last one raised that score by at least catchup_gain (a fraction),
+    # up to max_train_steps in the round. 0 = off (one block a round).
+    max_train_steps: int = 0
+    catchup_gain: float = 0.02
 
     def validate(self) -> None:
         if self.every_n_steps < 0 or self.train_steps < 1 or not 0 <= self.drift_fraction < 1:
             raise ConfigError(
                 "schedule: every_n_steps >= 0, train_steps >= 1 and 0 <= drift_fraction < 1 "
                 f"(got {self.every_n_steps}, {self.train_steps}, {self.drift_fraction})"
+            )
+        if self.max_train_steps and (self.max_train_steps < self.train_steps or self.catchup_gain <= 0):
+            raise ConfigError(
+                "schedule: max_train_steps is 0 (no catch-up) or >= train_steps, with catchup_gain > 0 "
+                f"(got max_train_steps={self.max_train_steps}, train_steps={self.train_steps}, "
+                f"catchup_gain={self.catchup_gain})"
             )
 
 
@@ -90,6 +102,8 @@ class AdapterConfig:
             raise ConfigError(f"adapter.method {self.method!r}: use eagle3 or draft_model")
         if self.k < 1 or self.temperature <= 0:
             raise ConfigError(f"adapter.k >= 1 and adapter.temperature > 0 (got {self.k}, {self.temperature})")
+        self.schedule.validate()  # also when built in code, not only through load_config
+        self.validate_cfg.validate()
 
 
 def group_by_length(batches: list[list[ReplayItem]], rng: random.Random) -> list[list[ReplayItem]]:
@@ -290,6 +304,14 @@ class DraftAdapter:
                 return True, "drift"
         return False, "not_due"
 
+    def _train_block(self, train: list[ReplayItem], n: int) -> dict[str, float]:
+        """``n`` optimizer steps on batches drawn from ``train`` (recent versions weighted up)."""
+        bs = self.cfg.batch_size
+        picks = [self.replay.sample(n_seqs=bs, rng=self.rng, items=train) for _ in range(n)]
+        if self.cfg.group_by_length:
+            picks = group_by_length(picks, self.rng)
+        return self.trainer.train_steps((self._captured(p) for p in picks), n=n)
+
     def step(self, force: bool = False) -> dict[str, float]:
         """Train if the schedule says so, validate, and publish a better draft. Returns metrics."""
         due, why = self._due()
@@ -312,14 +334,19 @@ class DraftAdapter:
         held = list(self._batches(heldout, self.cfg.batch_size))
         live = self.score(self._live_module(), held)
         self._refresh_shared_embeddings()
-        n = self.cfg.schedule.train_steps
-        bs = self.cfg.batch_size
-        picks = [self.replay.sample(n_seqs=bs, rng=self.rng, items=train) for _ in range(n)]
-        if self.cfg.group_by_length:
-            picks = group_by_length(picks, self.rng)
-        train_metrics = self.trainer.train_steps((self._captured(p) for p in picks), n=n)
-        candidate = self.score(self.trainer.export_draft(), held)
+        sched = self.cfg.schedule
+        budget = max(sched.max_train_steps, sched.train_steps)
+        done, before = 0, live
+        while True:
+            train_metrics = self._train_block(train, sched.train_steps)
+            done += sched.train_steps
+            candidate = self.score(self.trainer.export_draft(), held)
+            # another block only while the last one still paid off (the draft is behind the policy)
+            if done + sched.train_steps > budget or candidate < before * (1 + sched.catchup_gain):
+                break
+            before = candidate
         metrics.update({k: v for k, v in train_metrics.items() if k.startswith("train/")})
+        metrics["adapt/train_steps"] = float(done)
         metrics.update({
             "adapt/trained": 1.0,
             "adapt/trigger_drift": float(why == "drift"),

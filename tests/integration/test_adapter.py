@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from draftadapt.adapter import AdapterConfig, DraftAdapter, ScheduleConfig
+from draftadapt.config import ConfigError
 from draftadapt.data.store import DraftStore
 from draftadapt.drafts.formats import META_FILE, WEIGHTS_FILE, file_sha256
 from draftadapt.drafts.init import init_draft
@@ -154,6 +155,26 @@ def test_drift_trigger_trains_only_when_acceptance_fell(world, trained, toy_targ
     m = adapter.step()
     assert m["adapt/trained"] == 1.0 and m["adapt/trigger_drift"] == 1.0, m
     assert adapter.store.latest().version >= published
+
+
+@pytest.mark.parametrize("max_train_steps, gain, expected_steps", [
+    (0, 0.02, 2),  # catch-up off: one block of train_steps
+    (6, 1e-6, 6),  # a random head gains every block: blocks until the round's budget is spent
+    (6, 10.0, 2),  # no block gains 1000%: stops after the first
+])
+def test_catch_up_trains_more_only_while_it_pays(world, toy_target, max_train_steps, gain, expected_steps):
+    cfg = small_cfg()
+    cfg.schedule = ScheduleConfig(every_n_steps=1, drift_fraction=0.0, train_steps=2, min_sequences=8,
+                                  max_train_steps=max_train_steps, catchup_gain=gain)
+    adapter = DraftAdapter(toy_target, world["draft0"], world["root"] / f"catchup{max_train_steps}-{gain}", cfg)
+    adapter.observe(rollouts(world, seed=7), policy_version=0)
+    m = adapter.step()
+    assert m["adapt/trained"] == 1.0 and m["adapt/train_steps"] == expected_steps, m
+
+
+def test_catch_up_config_is_checked():
+    with pytest.raises(ConfigError, match="max_train_steps"):
+        AdapterConfig(schedule=ScheduleConfig(train_steps=10, max_train_steps=5)).validate()
 
 
 def test_draft_lm_adapts_and_swaps(toy_target, tmp_path):
