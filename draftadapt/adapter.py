@@ -208,8 +208,9 @@ class DraftAdapter:
         """Add one RL step's rollouts, sampled from policy ``policy_version``; returns how many.
 
         ``hidden_states`` (optional, one [len(prompt)+len(response), num_aux*H] tensor per rollout):
-        the aux hidden states the RL trainer already computed in its logprob pass. They are used
-        instead of recomputing them while the adapter's policy is at that same version.
+        the aux hidden states the RL trainer already computed in its logprob pass. They replace the
+        recomputed ones while the adapter's policy is at that same version. The adapter still runs
+        its policy copy over each batch for the target log-probs, so this saves no compute yet.
         """
         seqs = _as_token_seqs(rollouts)
         if hidden_states is not None:
