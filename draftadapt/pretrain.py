@@ -34,9 +34,9 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
-from tqdm import tqdm  # noqa: E402
 
 from draftadapt.config import ConfigError, load_config, save_config
+from draftadapt.progress import progress
 from draftadapt.train.trainer import TrainConfig
 
 RUN_DIR = "pretrain"  # inside ``out``: data, checkpoints, logs; vLLM only reads out's top level
@@ -271,8 +271,8 @@ def pretrain(cfg: PretrainConfig) -> dict:
             _prune_checkpoints(ckpt_dir, cfg.keep_checkpoints)
 
     # -- train
-    bar = tqdm(total=total, initial=trainer.step, desc=f"pretrain {cfg.method}", unit="step",
-               disable=not is_main, file=sys.stderr, dynamic_ncols=True)
+    bar = progress(total=total, initial=trainer.step, desc=f"pretrain {cfg.method}", unit="step",
+                   disable=not is_main)
     t_train = time.perf_counter()
     stopped_early = False
     epoch, batch_idx = start_epoch, start_batch

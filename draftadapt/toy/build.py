@@ -23,6 +23,7 @@ import torch
 from tqdm import tqdm
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerFast
 
+from draftadapt.progress import progress
 from draftadapt.toy import task
 from draftadapt.toy.model import ToyModelConfig, build_model
 from draftadapt.toy.tokenizer import BOS_ID, EOS_ID, PAD_ID, build_tokenizer
@@ -199,7 +200,7 @@ def train(model: PreTrainedModel, tok: PreTrainedTokenizerFast, cfg: ToyTrainCon
     )
     model.train()
     t0, loss_ema, step = time.time(), None, 0
-    bar = tqdm(total=cfg.steps, desc="toy train", unit="step", file=sys.stderr, dynamic_ncols=True)
+    bar = progress(total=cfg.steps, desc="toy train", unit="step")
     for step, batch in zip(range(cfg.steps), batches(tok, rng, cfg)):
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
