@@ -16,33 +16,33 @@ this measures.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import sys
 from pathlib import Path
 
-import yaml
 from tqdm import tqdm
 
 
-def run_drafts(run: Path) -> tuple[Path, dict[str, Path], dict]:
-    """The demo's toy dir and its drafts by arm, read from DIR/config.yaml and DIR itself."""
+def run_drafts(run: Path):
+    """The demo's config (the recipe's DemoConfig, as the run saved it) and its drafts by arm."""
+    from draftadapt.config import load_config
     from draftadapt.data.store import DraftStore
+    from draftadapt.demo import load_recipe
 
     cfg_file = run / "config.yaml"
     if not cfg_file.is_file():
         raise SystemExit(f"error: {cfg_file} not found: --run takes the --out DIR of a finished `draftadapt demo`")
-    cfg = yaml.safe_load(cfg_file.read_text())
-    toy = Path(cfg.get("toy") or run / "toy")
+    recipe = load_recipe()
+    cfg = load_config(recipe.DemoConfig, cfg_file)
     if not (run / "final_policy" / "config.json").is_file():
         raise SystemExit(f"error: {run / 'final_policy'} is missing: the demo did not finish; rerun it")
     latest = DraftStore(run / "drafts", readonly=True).latest()
     if latest is None:
         raise SystemExit(f"error: no complete draft version under {run / 'drafts'}")
-    drafts = {"frozen": Path(cfg.get("draft") or run / "draft0"), "adapted": latest.path}
+    drafts = {"frozen": Path(cfg.draft or run / "draft0"), "adapted": latest.path}
     if (run / "draft_fresh_final" / "draftadapt.json").is_file():
         drafts["fresh"] = run / "draft_fresh_final"
-    return toy, drafts, cfg
+    return recipe, cfg, drafts
 
 
 def main() -> int:
@@ -50,7 +50,7 @@ def main() -> int:
     ap.add_argument("--run", required=True, help="a finished demo's --out DIR")
     ap.add_argument("--ks", default="3,4,5", help="comma-separated draft lengths")
     ap.add_argument("--prompts", type=int, default=32, help="held-out prompts per generate (the demo's eval uses 32)")
-    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--max-tokens", type=int, default=None, help="response budget (default: the demo's eval budget, 96)")
     ap.add_argument("--rounds", type=int, default=5, help="timed rounds; every arm once a round")
     ap.add_argument("--json", action="store_true", help="print only the JSON object")
     args = ap.parse_args()
@@ -67,20 +67,18 @@ def main() -> int:
     from draftadapt.toy.task import load_heldout
 
     run = Path(args.run)
-    toy, drafts, cfg = run_drafts(run)
+    recipe, cfg, drafts = run_drafts(run)
+    if args.max_tokens is not None:
+        cfg.eval.max_tokens = args.max_tokens
+    toy = Path(cfg.toy or run / "toy")
     prompts = [p["prompt"] for p in load_heldout(toy / "heldout.jsonl")][: args.prompts]
-    threads = int(cfg.get("engine_threads") or 2)
-    seed = int((cfg.get("eval") or {}).get("seed", 1234))
+    threads = cfg.engine_threads
     policy = run / "final_policy"
 
-    def measure(engine) -> tuple[int, float, float]:
-        gc.collect()  # a collection inside a ~2 s timing lands on one arm; hold it off
-        gc.disable()
-        try:
-            res = engine.generate(prompts, temperature=1.0, max_tokens=args.max_tokens, seed=seed)
-        finally:
-            gc.enable()
-        return res.num_tokens, res.seconds, res.spec.acceptance_length
+    def measure(engine, draft=None) -> tuple[int, float, float]:
+        # the demo's own measurement: its sampling settings and eval seed, the GC held off
+        m = recipe.measure(engine, prompts, cfg) if draft is None else recipe.measure_draft(engine, draft, prompts, cfg)
+        return m["tokens"], m["seconds"], m["acceptance_length"]
 
     plain = RolloutEngine(policy, None, threads=threads, seed=0)
     torch.set_num_threads(threads)  # vLLM lowered it to one when it started in this process
@@ -94,8 +92,7 @@ def main() -> int:
                 for _ in tqdm(range(args.rounds), desc=f"k={k}", file=sys.stderr):
                     tok.setdefault("plain", []).append(measure(plain))
                     for arm, path in drafts.items():
-                        spec.swap_draft(path)
-                        tok.setdefault(arm, []).append(measure(spec))
+                        tok.setdefault(arm, []).append(measure(spec, path))
             finally:
                 spec.close()
             tps = {arm: sum(t for t, _, _ in ms) / sum(s for _, s, _ in ms) for arm, ms in tok.items()}
@@ -111,7 +108,7 @@ def main() -> int:
         plain.close()
 
     if not args.json:
-        arms = [a for a in drafts]
+        arms = list(drafts)
         print(f"{'k':>2} | " + " | ".join(f"{a} accept (tok/s vs plain)" for a in arms) + " | adapted/frozen accept")
         for k, row in results["by_k"].items():
             cells = [f"{row[a]['acceptance_length']:.3f} (x{row[a]['over_plain_tokens_per_s']:.3f})" for a in arms]
