@@ -322,8 +322,9 @@ class DraftAdapter:
             return metrics
         t0 = time.perf_counter()
         heldout, train = self.replay.split_recent()
-        # GRPO-style groups sample one prompt several times: a held-out rollout whose prompt is
-        # also trained on would flatter the candidate. Hold out whole prompts.
+        # The buffer holds out whole prompts of the newest version (GRPO groups sample a prompt
+        # several times); the max_heldout cap can cut a group, and a held-out rollout whose prompt
+        # is trained on would flatter the candidate: its group's other rollouts sit this round out.
         held_prompts = {tuple(it.token_ids[: it.prompt_len].tolist()) for it in heldout}
         train = [it for it in train if tuple(it.token_ids[: it.prompt_len].tolist()) not in held_prompts]
         if not heldout or not train:

@@ -13,11 +13,15 @@ Recency: a sequence of version v is drawn with weight ``recency_decay ** (newest
 policy drifts, so old rollouts describe a distribution the draft no longer has to match
 (0.5 halves the weight per version; 0 uses the newest version only; 1 is uniform).
 
-Validation: with ``holdout_fraction`` f > 0, a deterministic f of each version's sequences (the
-1st, then about every 1/f-th added; at most ``max_heldout``) is held out. ``heldout()`` returns
-those of the newest version and ``sample()`` never returns them, so the validation set is never
-trained on while it is the validation set; once a newer version arrives they become training
-data like the rest (validation always measures against the newest policy).
+Validation: with ``holdout_fraction`` f > 0, a deterministic f of each version's distinct prompts
+(the 1st, then about every 1/f-th new prompt) is held out, with every sequence sampled from it.
+Whole prompts, because GRPO-style groups sample one prompt several times: a held-out rollout
+whose prompt is trained on would flatter the candidate, and holding out every 1/f-th *sequence*
+of groups of 1/f would hold out every prompt and leave nothing of the newest version to train on.
+``heldout()`` returns those of the newest version (at most ``max_heldout``) and ``sample()``
+never returns them, so the validation set is never trained on while it is the validation set;
+once a newer version arrives they become training data like the rest (validation always
+measures against the newest policy).
 
 Not thread-safe. After a crash, rebuild it from the spool (the shards are kept until pruned), or
 save ``state_dict()`` with torch.save and restore it with ``load_state_dict``.
@@ -102,7 +106,8 @@ class ReplayBuffer:
         self.max_heldout = max_heldout
         self._by_version: dict[int, deque[ReplayItem]] = {}
         self._versions: list[int] = []  # sorted keys of _by_version
-        self._added: dict[int, int] = {}  # version -> sequences ever added (holdout positions)
+        # version -> {prompt ids: held out?}, in order of first appearance (holdout positions)
+        self._prompts: dict[int, dict[tuple[int, ...], bool]] = {}
         self._next_uid = 0
         self._tokens = 0
         self._bytes = 0
@@ -141,11 +146,13 @@ class ReplayBuffer:
         for k, v in owned.items():
             if v.dim() == 0 or v.shape[0] != n:
                 raise ValueError(f"tensor {k!r} has shape {tuple(v.shape)}; per-sequence tensors need one row per token ({n})")
-        k = self._added.get(policy_version, 0)
-        item = ReplayItem(self._next_uid, policy_version, ids, prompt_len, owned, source, self._is_holdout(k))
+        prompts = self._prompts.setdefault(policy_version, {})
+        key = tuple(p.tolist())
+        holdout = prompts[key] if key in prompts else self._is_holdout(len(prompts))
+        item = ReplayItem(self._next_uid, policy_version, ids, prompt_len, owned, source, holdout)
         if self.max_bytes is not None and item.nbytes > self.max_bytes:
             raise ValueError(f"a sequence of {item.nbytes} bytes exceeds max_bytes {self.max_bytes}; raise max_bytes")
-        self._added[policy_version] = k + 1
+        prompts[key] = holdout
         self._next_uid += 1
         if policy_version not in self._by_version:
             self._by_version[policy_version] = deque()
@@ -167,7 +174,8 @@ class ReplayBuffer:
         return out
 
     def _is_holdout(self, k: int) -> bool:
-        """Positions 0, ~1/f, ~2/f, ...: at least one per version, a fraction f in the long run."""
+        """Is a version's k-th distinct prompt held out? Prompts 0, ~1/f, ~2/f, ...: at least one
+        per version, a fraction f in the long run."""
         f = self.holdout_fraction
         if f <= 0:
             return False
@@ -183,6 +191,7 @@ class ReplayBuffer:
             if not q:
                 del self._by_version[v]
                 self._versions.pop(0)
+                self._prompts.pop(v, None)
             self._tokens -= item.num_tokens
             self._bytes -= item.nbytes
             self.evicted_seqs += 1
@@ -284,7 +293,7 @@ class ReplayBuffer:
     def state_dict(self) -> dict[str, Any]:
         """Everything, as plain containers and tensors (torch.save / torch.load(weights_only=True))."""
         return {
-            "format_version": 1,
+            "format_version": 2,
             "config": {
                 "max_tokens": self.max_tokens,
                 "max_bytes": self.max_bytes,
@@ -293,7 +302,8 @@ class ReplayBuffer:
                 "max_heldout": self.max_heldout,
             },
             "next_uid": self._next_uid,
-            "added": {str(k): v for k, v in self._added.items()},
+            # per version, its prompts in order of first appearance and whether each is held out
+            "prompts": {str(v): [[list(k), h] for k, h in ps.items()] for v, ps in self._prompts.items()},
             "evicted": [self.evicted_seqs, self.evicted_tokens],
             "items": [
                 {
@@ -311,8 +321,11 @@ class ReplayBuffer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Replace the contents with ``state`` (bounds stay this buffer's; evicts if they are tighter)."""
-        if state.get("format_version") != 1:
-            raise ValueError(f"replay state format_version {state.get('format_version')!r}; expected 1")
+        if state.get("format_version") != 2:
+            raise ValueError(
+                f"replay state format_version {state.get('format_version')!r}; expected 2 (format 1 held out "
+                "sequences by position, not whole prompts: rebuild the buffer from the spool instead)"
+            )
         self._by_version, self._versions, self._tokens, self._bytes = {}, [], 0, 0
         for d in state["items"]:
             it = ReplayItem(
@@ -325,7 +338,7 @@ class ReplayBuffer:
             self._by_version[it.policy_version].append(it)
             self._tokens += it.num_tokens
             self._bytes += it.nbytes
-        self._added = {int(k): int(v) for k, v in state["added"].items()}
+        self._prompts = {int(v): {tuple(int(t) for t in k): bool(h) for k, h in ps} for v, ps in state["prompts"].items()}
         self._next_uid = int(state["next_uid"])
         self.evicted_seqs, self.evicted_tokens = (int(x) for x in state["evicted"])
         self._evict()

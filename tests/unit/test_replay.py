@@ -12,7 +12,8 @@ from draftadapt.spool import SpoolWriter
 
 
 def fill(buf, versions, length=4):
-    return [buf.add(list(range(1, length)), [0], v, source=f"{v}:{i}") for i, v in enumerate(versions)]
+    """One sequence per version in ``versions``, each with a prompt of its own."""
+    return [buf.add([100 + i] + list(range(1, length - 1)), [0], v, source=f"{v}:{i}") for i, v in enumerate(versions)]
 
 
 def test_add_counts_tokens_bytes_and_keeps_prompt_response_split():
@@ -139,10 +140,27 @@ def test_heldout_is_deterministic_never_sampled_and_moves_on_with_the_newest_ver
     assert len(buf.sample(n_seqs=100, rng=0)) == 28 - 3
 
 
+def test_grpo_groups_hold_out_whole_prompts_and_train_on_the_rest_of_the_newest_version():
+    # 16 prompts x 4 samples, the samples of a prompt added one after another (a GRPO step)
+    buf = ReplayBuffer(max_tokens=10_000, holdout_fraction=0.25, max_heldout=64)
+    for p in range(16):
+        for g in range(4):
+            buf.add([200 + p, 1], [g + 1], 0, source=f"p{p}g{g}")
+    held, train = buf.split_recent()
+    held_prompts = {it.source.split("g")[0] for it in held}
+    assert held_prompts == {"p0", "p4", "p8", "p12"}  # a quarter of the prompts, every sample of each
+    assert len(held) == 16 and len(train) == 48
+    assert not held_prompts & {it.source.split("g")[0] for it in train}
+    # the same prompt in the next version is a new draw: held out by its own position there
+    buf.add([201, 1], [9], 1, source="v1")
+    assert [it.source for it in buf.heldout()] == ["v1"]
+
+
 def test_state_dict_round_trip_through_torch_save(tmp_path):
     buf = ReplayBuffer(max_tokens=50, holdout_fraction=0.5)
     for v in range(4):
-        buf.add([1, 2, 3], [4], v, tensors={"aux_hidden": torch.randn(4, 2)}, source=f"s{v}")
+        for i in range(2):
+            buf.add([1, 2, i], [4], v, tensors={"aux_hidden": torch.randn(4, 2)}, source=f"s{v}.{i}")
     torch.save(buf.state_dict(), tmp_path / "replay.pt")
     other = ReplayBuffer(max_tokens=50, holdout_fraction=0.5)
     other.load_state_dict(torch.load(tmp_path / "replay.pt", weights_only=True))
@@ -150,6 +168,9 @@ def test_state_dict_round_trip_through_torch_save(tmp_path):
     assert (other.num_tokens, other.nbytes) == (buf.num_tokens, buf.nbytes)
     assert all(torch.equal(a.tensors["aux_hidden"], b.tensors["aux_hidden"]) for a, b in zip(other, buf))
     assert other.add([1], [2], 4).uid == buf.add([1], [2], 4).uid
+    # the holdout positions carry over: a known prompt keeps its split, the next new one goes on
+    assert other.add([1, 2, 0], [5], 3).holdout == buf.add([1, 2, 0], [5], 3).holdout
+    assert other.add([7], [5], 3).holdout == buf.add([7], [5], 3).holdout
     small = ReplayBuffer(max_tokens=8)
     small.load_state_dict(buf.state_dict())
     assert small.num_tokens <= 8
