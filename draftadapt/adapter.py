@@ -300,7 +300,7 @@ class DraftAdapter:
             now = self._measured
             if now is None and self._steps_since_train > 0:
                 # no engine measurement: simulate the live draft on the newest held-out rollouts
-                now = self.score(self._live_module(), self.replay.heldout())
+                now = self.score(self.live_draft(), self.replay.heldout())
             if now is not None and now < self._drift_ref * (1 - s.drift_fraction):
                 return True, "drift"
         return False, "not_due"
@@ -334,8 +334,8 @@ class DraftAdapter:
         # policy: a score remembered from an older policy is not comparable (when the policy moves
         # fast every score falls, and a stale live score would reject every candidate).
         held = list(self._batches(heldout, self.cfg.batch_size))
-        live = self.score(self._live_module(), held)
-        self._refresh_shared_embeddings()
+        live = self.score(self.live_draft(), held)
+        self.refresh_shared_embeddings()
         sched = self.cfg.schedule
         budget = max(sched.max_train_steps, sched.train_steps)
         done, before = 0, live
@@ -374,18 +374,18 @@ class DraftAdapter:
             self.logger.log_dict(metrics, step=self.policy_version)
         return metrics
 
-    def _refresh_shared_embeddings(self, head=None) -> None:
+    def refresh_shared_embeddings(self, head=None) -> None:
         """A head that shares the target's embed_tokens sees the policy's current ones (as in vLLM)."""
         head = self.trainer.draft if head is None else head
         if self.cfg.method == "eagle3" and head.cfg.share_embeddings:
             with torch.no_grad():
                 head.embed_tokens.weight.copy_(self.policy.get_input_embeddings().weight)
 
-    def _live_module(self):
+    def live_draft(self):
         """The newest published draft as the engine serves it (shared modules from the current policy)."""
         latest = self.store.latest()
         module = _load_draft(latest.path, self.policy_dir, self.cfg.method)[0]
-        self._refresh_shared_embeddings(module)
+        self.refresh_shared_embeddings(module)
         return module
 
     def _publish_module(self, module, policy_version: int) -> int:

@@ -87,6 +87,10 @@ class DemoConfig:
     # it on the same prompts: the reference the adapted draft is held to (issue 4's 95% bar).
     fresh_final: bool = True
     fresh_max_minutes: float = 2.5  # training-time guard of that pretrain
+    # Also write every step's rollouts and the policy after it into this spool directory
+    # (draftadapt.spool.SpoolWriter): a recorded run to replay adapter configs on offline
+    # (scripts/replay_adapter.py) or to feed a sidecar. ~20 MB of policy weights per step here.
+    spool: str | None = None
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     # 20 optimizer steps of 16 sequences per RL step (~7 s of a ~25 s step, batches grouped by
@@ -246,6 +250,12 @@ def run(cfg: DemoConfig) -> dict:
                          threads=cfg.engine_threads, seed=cfg.seed)
     plain = RolloutEngine(toy, None, threads=cfg.engine_threads, seed=cfg.seed)
     eval_prompts = [p["prompt"] for p in task.load_heldout(toy)[: cfg.eval.prompts]]
+    spool = None
+    if cfg.spool:
+        from draftadapt.spool import SpoolWriter
+
+        spool = SpoolWriter(cfg.spool, writer_id="demo")
+        spool.write_policy(0, toy)
     # vLLM lowers torch to one thread in this process when it starts; the engines idle while we
     # train, so the trainer takes the cores back.
     torch.set_num_threads(cfg.engine_threads)
@@ -263,6 +273,9 @@ def run(cfg: DemoConfig) -> dict:
             gen = spec.generate([p["prompt"] for p in problems], temperature=cfg.grpo.temperature,
                                 max_tokens=cfg.grpo.max_tokens, seed=rng.randrange(1 << 30))
             row["stage/gen_s"] = time.perf_counter() - t0
+            if spool is not None:
+                spool.write_rollouts(step, step, [r.prompt_token_ids for r in gen.rollouts],
+                                     [r.token_ids for r in gen.rollouts])
             # 2. the policy update (what the RL framework does anyway)
             t0 = time.perf_counter()
             row.update(grpo_update(policy, reference, opt, problems, gen.rollouts, cfg.grpo, pad_id, step))
@@ -271,6 +284,8 @@ def run(cfg: DemoConfig) -> dict:
             spec.update_policy(weights, version=version)
             plain.update_policy(weights, version=version)
             row["stage/train_s"] = time.perf_counter() - t0
+            if spool is not None:
+                spool.write_policy(version, weights, step=step)
             # 3. draftadapt, through its public API only
             t0 = time.perf_counter()
             row["draft/integrity_ok"] = float(adapter.check_integrity(spec))
@@ -303,6 +318,8 @@ def run(cfg: DemoConfig) -> dict:
                   f"tok/s plain {m_plain['tokens_per_s']:.0f} adapted {m_adapted['tokens_per_s']:.0f} "
                   f"| draft v{int(row['draft/version'])}", flush=True)
         loop_seconds = time.perf_counter() - t_start
+        if spool is not None:
+            spool.finish(steps=len(history))
         save_policy(policy, toy, out / "final_policy")
         fresh = measure_fresh(cfg, out, spec, eval_prompts) if cfg.fresh_final and history else None
     finally:

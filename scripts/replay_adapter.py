@@ -1,0 +1,153 @@
+"""Replay a recorded RL run through adapter configs, offline, and score each on what came next.
+
+    python scripts/replay_adapter.py --spool SPOOL --target POLICY_DIR --draft DRAFT_DIR \\
+        --try "" --try "batch_size=16 schedule.train_steps=20 train.lr=2e-3" [--last 4] [--json]
+
+SPOOL is a spool directory an RL run wrote (``draftadapt.spool.SpoolWriter``; the demo writes one
+with ``spool=DIR``): rollout shards per step and the policy checkpoint after each step. Every
+config (``--try``: AdapterConfig overrides, ``key=value`` separated by spaces; "" = the library
+defaults) sees exactly the same inputs, in the order the run produced them:
+observe(step s's rollouts, version v) -> update_policy(v + 1) -> step(), then the live draft
+is scored (simulated acceptance length, vLLM's greedy drafting) on the rollouts of step s + 1,
+which the new policy sampled and no config has trained on yet. The starting draft is scored on
+the same sets ("frozen"). In a live run the trajectory itself depends on the draft (rejection
+sampling draws differently), so comparing configs live mixes their effect with a different
+trajectory; here only the config differs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from draftadapt.adapter import AdapterConfig, DraftAdapter
+from draftadapt.capture.hidden import CapturedBatch
+from draftadapt.config import ConfigError, load_config
+from draftadapt.data.sequences import Sequence, collate
+from draftadapt.data.spool import SpoolReader
+from draftadapt.progress import progress
+from draftadapt.train.trainer import score_draft
+
+
+def recorded_steps(reader: SpoolReader) -> list[tuple[int, int, list[Sequence]]]:
+    """(step, policy version, sequences) per RL step, in step order (a step may span shards)."""
+    by_step: dict[int, tuple[int, list[Sequence]]] = {}
+    for ref in reader.shards():
+        shard = reader.load(ref)
+        version, seqs = by_step.setdefault(shard.step, (shard.policy_version, []))
+        if shard.policy_version != version:
+            raise ValueError(f"step {shard.step} has shards of policy versions {version} and {shard.policy_version}")
+        seqs.extend(s for s in shard.sequences() if s.response_ids)
+    return [(step, v, seqs) for step, (v, seqs) in sorted(by_step.items())]
+
+
+def eval_batches(adapter: DraftAdapter, seqs: list[Sequence], n: int) -> list[CapturedBatch]:
+    """``n`` sequences spread evenly over ``seqs``, captured against the adapter's current policy."""
+    picked = sorted(seqs[:: max(1, len(seqs) // n)][:n], key=len)
+    out = []
+    for i in range(0, len(picked), adapter.cfg.batch_size):
+        b = collate(picked[i: i + adapter.cfg.batch_size], adapter.pad_id)
+        logp, aux = adapter.capture(b["input_ids"], b["attention_mask"])
+        out.append(CapturedBatch(b["input_ids"], b["attention_mask"], b["loss_mask"], logp, aux))
+    return out
+
+
+def replay(spool: Path, target: Path, draft: Path, overrides: list[str], eval_seqs: int = 96) -> dict:
+    cfg = load_config(AdapterConfig, None, overrides)
+    reader = SpoolReader(spool)
+    steps = recorded_steps(reader)
+    if len(steps) < 2:
+        raise ValueError(f"{spool} holds {len(steps)} step(s) of rollouts; replaying needs at least 2 "
+                         "(each step is scored on the next one)")
+    with tempfile.TemporaryDirectory(prefix="replay_drafts_") as out:
+        adapter = DraftAdapter(target, draft, out, cfg, policy_version=steps[0][1])
+        frozen = adapter.live_draft()
+        rows, adapt_s = [], 0.0
+        for i, (step, version, seqs) in enumerate(progress(iterable=steps[:-1], desc="replay", unit="step")):
+            adapter.observe([(s.prompt_ids, s.response_ids) for s in seqs], policy_version=version)
+            nxt_version = steps[i + 1][1]
+            if nxt_version > adapter.policy_version:
+                ckpt = reader.policy(nxt_version)
+                if ckpt is None:
+                    raise ValueError(f"{spool} has rollouts of policy version {nxt_version} but no checkpoint of it")
+                adapter.update_policy(ckpt.state_dict(), version=nxt_version)
+            t0 = time.perf_counter()
+            m = adapter.step()
+            adapt_s += time.perf_counter() - t0
+            held = eval_batches(adapter, steps[i + 1][2], eval_seqs)
+            adapter.refresh_shared_embeddings(frozen)
+            rows.append({
+                "step": step, "policy_version": adapter.policy_version,
+                "adapted": score_draft(adapter.live_draft(), held, cfg.k)[0].length,
+                "frozen": score_draft(frozen, held, cfg.k)[0].length,
+                "published": int(m.get("adapt/published", 0.0)),
+                "simulated_length": m.get("accept/simulated_length"),
+                "train_steps": int(m.get("adapt/train_steps", 0.0)),
+            })
+    return {"overrides": overrides, "steps": rows, "adapt_seconds": adapt_s}
+
+
+def summarize(res: dict, last: int) -> dict:
+    tail = res["steps"][-last:]
+    return {"try": " ".join(res["overrides"]) or "(defaults)",
+            "adapted_last": sum(r["adapted"] for r in tail) / len(tail),
+            "frozen_last": sum(r["frozen"] for r in tail) / len(tail),
+            "published": sum(r["published"] for r in res["steps"]),
+            "adapt_seconds": res["adapt_seconds"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--spool", required=True, type=Path)
+    ap.add_argument("--target", required=True, type=Path, help="the policy the run started from (HF dir)")
+    ap.add_argument("--draft", required=True, type=Path, help="the draft the run started from")
+    ap.add_argument("--try", dest="tries", action="append", default=None,
+                    help='AdapterConfig overrides for one config, e.g. "batch_size=16 train.lr=2e-3" ("" = defaults); repeat')
+    ap.add_argument("--last", type=int, default=4, help="summarise the mean over the last N scored steps")
+    ap.add_argument("--eval-seqs", type=int, default=96, help="sequences of the next step each step is scored on")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", action="store_true", help="print one JSON object per config instead of a table")
+    args = ap.parse_args(argv)
+    for p, what in ((args.spool, "--spool"), (args.target, "--target"), (args.draft, "--draft")):
+        if not p.is_dir():
+            print(f"error: {what} {p} is not a directory", file=sys.stderr)
+            return 2
+    if args.last < 1 or args.eval_seqs < 1:
+        print("error: --last and --eval-seqs must be >= 1", file=sys.stderr)
+        return 2
+    tries = [shlex.split(t) for t in (args.tries or [""])]
+    try:
+        for t in tries:  # every config is checked before the first one runs for minutes
+            load_config(AdapterConfig, None, t)
+    except ConfigError as exc:
+        print(f"error: --try: {exc}", file=sys.stderr)
+        return 2
+    torch.set_num_threads(args.threads)
+    results = []
+    for t in tries:
+        try:
+            res = replay(args.spool, args.target, args.draft, t, args.eval_seqs)
+        except (ValueError, ConfigError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        results.append(res)
+        if args.json:
+            print(json.dumps({**summarize(res, args.last), "per_step": res["steps"]}), flush=True)
+    if not args.json:
+        print(f"{'config':60s} | adapted last {args.last} | frozen last {args.last} | published | adapt s")
+        for res in results:
+            s = summarize(res, args.last)
+            print(f"{s['try'][:60]:60s} | {s['adapted_last']:14.3f} | {s['frozen_last']:13.3f} | "
+                  f"{s['published']:9d} | {s['adapt_seconds']:7.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
