@@ -323,10 +323,11 @@ class DraftAdapter:
         t0 = time.perf_counter()
         heldout, train = self.replay.split_recent()
         # The buffer holds out whole prompts of the newest version (GRPO groups sample a prompt
-        # several times); the max_heldout cap can cut a group, and a held-out rollout whose prompt
-        # is trained on would flatter the candidate: its group's other rollouts sit this round out.
-        held_prompts = {tuple(it.token_ids[: it.prompt_len].tolist()) for it in heldout}
-        train = [it for it in train if tuple(it.token_ids[: it.prompt_len].tolist()) not in held_prompts]
+        # several times), but the max_heldout cap can cut a group and an older version may hold
+        # the same prompt; a held-out rollout whose prompt is trained on would flatter the
+        # candidate, so those rollouts sit this round out.
+        held_prompts = {it.prompt_key for it in heldout}
+        train = [it for it in train if it.prompt_key not in held_prompts]
         if not heldout or not train:
             metrics["adapt/skipped"] = 1.0
             return metrics

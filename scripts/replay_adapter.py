@@ -51,12 +51,8 @@ def recorded_steps(reader: SpoolReader) -> list[tuple[int, int, list[Sequence]]]
 def eval_batches(adapter: DraftAdapter, seqs: list[Sequence], n: int) -> list[CapturedBatch]:
     """``n`` sequences spread evenly over ``seqs``, captured against the adapter's current policy."""
     picked = sorted(seqs[:: max(1, len(seqs) // n)][:n], key=len)
-    out = []
-    for i in range(0, len(picked), adapter.cfg.batch_size):
-        b = collate(picked[i: i + adapter.cfg.batch_size], adapter.pad_id)
-        logp, aux = adapter.capture(b["input_ids"], b["attention_mask"])
-        out.append(CapturedBatch(b["input_ids"], b["attention_mask"], b["loss_mask"], logp, aux))
-    return out
+    bs = adapter.cfg.batch_size
+    return [adapter.capture.capture(collate(picked[i: i + bs], adapter.pad_id)) for i in range(0, len(picked), bs)]
 
 
 def replay(spool: Path, target: Path, draft: Path, overrides: list[str], eval_seqs: int = 96) -> dict:

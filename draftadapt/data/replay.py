@@ -63,6 +63,11 @@ class ReplayItem:
     def nbytes(self) -> int:
         return _nbytes(self.token_ids) + sum(_nbytes(t) for t in self.tensors.values())
 
+    @property
+    def prompt_key(self) -> tuple[int, ...]:
+        """The prompt's token ids, hashable: samples of one prompt share it."""
+        return tuple(self.token_ids[: self.prompt_len].tolist())
+
     def sequence(self) -> TokenSequence:
         ids = self.token_ids.tolist()
         return TokenSequence(ids[: self.prompt_len], ids[self.prompt_len :])
@@ -146,13 +151,13 @@ class ReplayBuffer:
         for k, v in owned.items():
             if v.dim() == 0 or v.shape[0] != n:
                 raise ValueError(f"tensor {k!r} has shape {tuple(v.shape)}; per-sequence tensors need one row per token ({n})")
-        prompts = self._prompts.setdefault(policy_version, {})
-        key = tuple(p.tolist())
-        holdout = prompts[key] if key in prompts else self._is_holdout(len(prompts))
-        item = ReplayItem(self._next_uid, policy_version, ids, prompt_len, owned, source, holdout)
+        item = ReplayItem(self._next_uid, policy_version, ids, prompt_len, owned, source)
         if self.max_bytes is not None and item.nbytes > self.max_bytes:
             raise ValueError(f"a sequence of {item.nbytes} bytes exceeds max_bytes {self.max_bytes}; raise max_bytes")
-        prompts[key] = holdout
+        prompts = self._prompts.setdefault(policy_version, {})
+        if item.prompt_key not in prompts:
+            prompts[item.prompt_key] = self._is_holdout(len(prompts))
+        item.holdout = prompts[item.prompt_key]
         self._next_uid += 1
         if policy_version not in self._by_version:
             self._by_version[policy_version] = deque()
