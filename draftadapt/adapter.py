@@ -6,34 +6,40 @@
         ... policy update ...
         engine.update_policy(weights, version=v)                 # the RL run's own weight sync
         adapter.check_integrity(engine)                          # the draft survived the sync
-        adapter.observe(result.rollouts, policy_version=v - 1)   # what the policy sampled
+        adapter.observe(result.rollouts, policy_version=v - 1,   # what the policy sampled,
+                        handover=ho)                             # + its states (HandOver, optional)
         adapter.update_policy(weights, version=v)                # the adapter's own HF copy
         if adapter.step()["adapt/published"]:                    # train -> validate -> publish
             adapter.swap(engine)                                 # in place, milliseconds
 
-observe -> train (TTT unroll, forward KL to the current policy) -> validate on held-out rollouts
-of the newest policy version -> publish (atomic, versioned) -> swap (never a draft trained on a
-newer policy than the engine serves).
+observe -> train (TTT unroll, forward KL to the policy) -> validate on held-out rollouts of the
+newest policy version -> publish (atomic, versioned) -> swap (never a draft trained on a newer
+policy than the engine serves).
+
+With a hand-over (``adapter.handover(policy)``, see ``capture.hidden.HandOver``) the targets are
+the aux states and log-probs of the RL trainer's own forward over the rollouts, i.e. of the policy
+that sampled them, and the adapter runs no policy forward at all; without one it captures them
+from its own copy of the current policy (docs/design.md, "Hand-over").
 """
 
 from __future__ import annotations
 
-import json
 import random
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 import torch
 
-from draftadapt.capture.hidden import CapturedBatch, TargetCapture
+from draftadapt.capture.hidden import CapturedBatch, HandOver, TargetCapture
 from draftadapt.config import ConfigError
 from draftadapt.data.replay import ReplayBuffer, ReplayItem
 from draftadapt.data.sequences import Sequence as TokenSeq
 from draftadapt.data.sequences import collate
 from draftadapt.data.store import DraftStore
-from draftadapt.drafts.formats import META_FILE, detect_format, read_hf_config
+from draftadapt.drafts.formats import detect_format, read_hf_config
 from draftadapt.train.trainer import DraftTrainer, TrainConfig, score_draft
 
 
@@ -91,6 +97,11 @@ class AdapterConfig:
     # Regroup one training round's draws by length (same sequences, same number of steps): each
     # batch pads to its own longest sequence instead of to the longest of a random mix.
     group_by_length: bool = True
+    # What the draft learns to match for rollouts handed over with their states: "sampling" = the
+    # policy that sampled them (the hand-over's tensors as they are; no policy forward), "current"
+    # = the adapter's current policy copy (recaptured, one forward per batch). Rollouts observed
+    # without a hand-over are always captured against the current policy.
+    targets: str = "sampling"
     seed: int = 0
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     validate_cfg: ValidateConfig = field(default_factory=ValidateConfig)
@@ -100,6 +111,8 @@ class AdapterConfig:
     def validate(self) -> None:
         if self.method not in ("eagle3", "draft_model"):
             raise ConfigError(f"adapter.method {self.method!r}: use eagle3 or draft_model")
+        if self.targets not in ("sampling", "current"):
+            raise ConfigError(f"adapter.targets {self.targets!r}: use 'sampling' or 'current'")
         if self.k < 1 or self.temperature <= 0:
             raise ConfigError(f"adapter.k >= 1 and adapter.temperature > 0 (got {self.k}, {self.temperature})")
         self.schedule.validate()  # also when built in code, not only through load_config
@@ -119,7 +132,7 @@ def group_by_length(batches: list[list[ReplayItem]], rng: random.Random) -> list
 
 
 def _as_token_seqs(rollouts: Iterable[Any]) -> list[TokenSeq]:
-    """Rollouts as (prompt ids, response ids): engine Rollouts, spool records, pairs or dicts."""
+    """Rollouts as (prompt ids, response ids), in order: engine Rollouts, spool records, pairs or dicts."""
     out = []
     for r in rollouts:
         if hasattr(r, "prompt_token_ids"):
@@ -132,11 +145,9 @@ def _as_token_seqs(rollouts: Iterable[Any]) -> list[TokenSeq]:
             p, c = r
             out.append(TokenSeq(list(p), list(c)))
     for s in out:
-        if not s.response_ids:
-            continue
-        if not s.prompt_ids:
+        if s.response_ids and not s.prompt_ids:
             raise ValueError("a rollout has no prompt tokens; pass the prompt ids the engine was given")
-    return [s for s in out if s.response_ids]
+    return out
 
 
 def _load_policy(path_or_dir: str | Path):
@@ -159,8 +170,49 @@ def _load_draft(draft_dir: Path, target_dir: Path, method: str):
     return load_small_lm(draft_dir), fmt
 
 
+class DriftTrigger:
+    """When a round is due: every N observed RL steps, or when acceptance fell by a fraction since
+    the last publish (measured in the engine when reported, else simulated by the caller)."""
+
+    def __init__(self, cfg: ScheduleConfig):
+        self.cfg = cfg
+        self.steps_since_train = 0
+        self.reference: float | None = None  # acceptance at the last publish
+        self.measured: float | None = None  # the engine's latest measurement of the live draft
+
+    def observed(self) -> None:
+        self.steps_since_train += 1
+
+    def report(self, acceptance_length: float) -> None:
+        self.measured = float(acceptance_length)
+        if self.reference is None:
+            self.reference = self.measured
+
+    def due(self, buffered: int, simulate_live) -> tuple[bool, str]:
+        """``simulate_live()``: the live draft's simulated acceptance, for runs with no engine."""
+        s = self.cfg
+        if buffered < s.min_sequences:
+            return False, "too_few_sequences"
+        if s.every_n_steps and self.steps_since_train >= s.every_n_steps:
+            return True, "schedule"
+        if s.drift_fraction and self.reference is not None:
+            now = self.measured
+            if now is None and self.steps_since_train > 0:
+                now = simulate_live()
+            if now is not None and now < self.reference * (1 - s.drift_fraction):
+                return True, "drift"
+        return False, "not_due"
+
+    def trained(self, published: bool, candidate: float) -> None:
+        self.steps_since_train = 0
+        if published:
+            # drift is measured from here: the engine's next measurement of this draft, or
+            # (without an engine) its simulated score
+            self.reference = None if self.measured is not None else candidate
+
+
 class DraftAdapter:
-    """Observe rollouts, train the draft against the current policy, validate, publish, swap."""
+    """Observe rollouts, train the draft against the policy, validate, publish, swap."""
 
     def __init__(self, policy_dir: str | Path, draft_dir: str | Path, out_dir: str | Path,
                  cfg: AdapterConfig | None = None, logger=None, policy_version: int = 0):
@@ -172,7 +224,6 @@ class DraftAdapter:
         self.policy.eval()
         self.policy_version = policy_version
         draft, self.format = _load_draft(Path(draft_dir), self.policy_dir, self.cfg.method)
-        self._template_meta = json.loads((Path(draft_dir) / META_FILE).read_text()) if (Path(draft_dir) / META_FILE).is_file() else {}
         pad = self.policy.config.pad_token_id
         self.pad_id = 0 if pad is None else int(pad)
         self.trainer = DraftTrainer(draft, self.cfg.method, self.cfg.train, pad_id=self.pad_id)
@@ -189,44 +240,53 @@ class DraftAdapter:
         )
         self.store = DraftStore(out_dir)
         self.rng = random.Random(self.cfg.seed)
-        self._steps_since_train = 0
-        self._live_score: float | None = None  # simulated length of the last published draft
-        self._drift_ref: float | None = None  # acceptance at the last publish (drift trigger)
-        self._measured: float | None = None
-        # id(engine) -> (checksum read back after our swap, the draft dir it came from)
-        self._swapped_in: dict[int, tuple[str, Path]] = {}
-        self._last_metrics: dict[str, float] = {}
+        self.trigger = DriftTrigger(self.cfg.schedule)
+        # engine -> (checksum read back after our swap, the draft dir it came from)
+        self._swapped_in: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         latest = self.store.latest()
         if latest is None:
             # the starting draft is version 0 of this run: what the engine serves before any swap
-            self._publish_module(self.trainer.export_draft(), policy_version)
+            self._live = self._publish_module(self.trainer.export_draft(), policy_version)
+        else:
+            self._live = _load_draft(latest.path, self.policy_dir, self.cfg.method)[0].eval()
 
     # ------------------------------------------------------------------ inputs
 
-    def observe(self, rollouts: Iterable[Any], policy_version: int,
+    def handover(self, policy) -> HandOver:
+        """A :class:`HandOver` for the RL trainer's own forward over its rollouts (forward hooks on
+        ``policy``'s aux layers; see its docstring): pass it to :meth:`observe` afterwards."""
+        return HandOver(policy, self.capture.aux_layer_ids, self.capture.draft_to_target, self.cfg.temperature)
+
+    def observe(self, rollouts: Iterable[Any], policy_version: int, handover: HandOver | None = None,
                 hidden_states: Sequence[torch.Tensor] | None = None) -> int:
         """Add one RL step's rollouts, sampled from policy ``policy_version``; returns how many.
 
-        ``hidden_states`` (optional, one [len(prompt)+len(response), num_aux*H] tensor per rollout):
-        the aux hidden states the RL trainer already computed in its logprob pass. They replace the
-        recomputed ones while the adapter's policy is at that same version. The adapter still runs
-        its policy copy over each batch for the target log-probs, so this saves no compute yet.
+        ``handover``: the states the RL trainer's forward over these rollouts produced (one row
+        per rollout, in order). With it the adapter runs no policy forward for them.
+        ``hidden_states`` (the spool's form: one [len(prompt)+len(response), num_aux*H] tensor
+        per rollout, aux states only): used while the adapter's policy is at that same version;
+        the log-probs then still come from the adapter's own forward.
         """
         seqs = _as_token_seqs(rollouts)
-        if hidden_states is not None:
+        given: list[dict[str, torch.Tensor] | None] = [None] * len(seqs)
+        if handover is not None:
+            given = list(handover.tensors(len(seqs)))
+        elif hidden_states is not None:
             hidden_states = list(hidden_states)
             if len(hidden_states) != len(seqs):
                 raise ValueError(f"observe: {len(hidden_states)} hidden-state tensors for {len(seqs)} rollouts")
-        for i, s in enumerate(seqs):
-            extra = None
-            if hidden_states is not None:
-                h = hidden_states[i]
-                if h.shape[0] != len(s):
-                    raise ValueError(f"observe: hidden states of rollout {i} cover {h.shape[0]} tokens, the rollout has {len(s)}")
-                extra = {"aux_hidden": h.detach().to(torch.bfloat16).cpu()}
+            given = [{"aux_hidden": h.detach().to(torch.bfloat16).cpu()} for h in hidden_states]
+        added = 0
+        for i, (s, extra) in enumerate(zip(seqs, given)):
+            if not s.response_ids:
+                continue
+            for name, t in (extra or {}).items():
+                if t.shape[0] != len(s):
+                    raise ValueError(f"observe: {name} of rollout {i} covers {t.shape[0]} tokens, the rollout has {len(s)}")
             self.replay.add(s.prompt_ids, s.response_ids, policy_version, extra)
-        self._steps_since_train += 1
-        return len(seqs)
+            added += 1
+        self.trigger.observed()
+        return added
 
     def update_policy(self, weights_or_path: str | Path | dict[str, torch.Tensor], version: int) -> None:
         """Load the policy's new weights into the adapter's own HF copy (a dir, a file or a state dict)."""
@@ -256,19 +316,22 @@ class DraftAdapter:
         """The acceptance length the engine measured for the live draft (feeds the drift trigger).
 
         The first measurement after a publish is the reference a later drop is measured against."""
-        self._measured = float(acceptance_length)
-        if self._drift_ref is None:
-            self._drift_ref = self._measured
+        self.trigger.report(acceptance_length)
 
     # ------------------------------------------------------------------ capture
 
-    def _captured(self, items: list[ReplayItem]) -> CapturedBatch:
-        """Capture a batch against the adapter's current policy copy.
+    def _handed_over(self, it: ReplayItem) -> bool:
+        return self.cfg.targets == "sampling" and "target_logp" in it.tensors
 
-        Handed-over aux hidden states replace the recomputed ones where they were produced by the
-        policy version the adapter now holds (older ones describe a policy that no longer exists).
-        """
+    def _captured(self, items: list[ReplayItem]) -> CapturedBatch:
+        """One training or scoring batch: the handed-over targets as they are, or captured against
+        the adapter's current policy copy (aux states handed over without log-probs replace the
+        recomputed ones where that same policy version produced them)."""
         batch = collate([it.sequence() for it in items], self.pad_id)
+        if all(self._handed_over(it) for it in items):
+            return CapturedBatch(batch["input_ids"], batch["attention_mask"], batch["loss_mask"],
+                                 _pad_rows([it.tensors["target_logp"] for it in items], batch["input_ids"].shape[1]),
+                                 _pad_rows([it.tensors.get("aux_hidden") for it in items], batch["input_ids"].shape[1]))
         logp, aux = self.capture(batch["input_ids"], batch["attention_mask"])
         if aux is not None:
             for r, it in enumerate(items):
@@ -277,33 +340,16 @@ class DraftAdapter:
                     aux[r, : h.shape[0]] = h.to(aux.dtype)
         return CapturedBatch(batch["input_ids"], batch["attention_mask"], batch["loss_mask"], logp, aux)
 
-    def _batches(self, items: list, size: int) -> Iterable[CapturedBatch]:
-        for i in range(0, len(items), size):
-            yield self._captured(items[i : i + size])
+    def _batches(self, items: list[ReplayItem], size: int) -> list[CapturedBatch]:
+        return [self._captured(items[i: i + size]) for i in range(0, len(items), size)]
 
-    def score(self, module, items: list) -> float:
-        """Simulated acceptance length (vLLM's greedy drafting, k tokens) on replay ``items``
-        (captured against the adapter's current policy) or on already captured batches."""
-        batches = items if items and isinstance(items[0], CapturedBatch) else self._batches(items, self.cfg.batch_size)
+    def score(self, module, batches: list[CapturedBatch]) -> float:
+        """Simulated acceptance length (vLLM's greedy drafting, k tokens) of a draft module (bare,
+        or the trainer's wrapped one) on captured batches."""
         visited, _ = score_draft(module, batches, self.cfg.k)
         return visited.length
 
     # ------------------------------------------------------------------ the loop
-
-    def _due(self) -> tuple[bool, str]:
-        s = self.cfg.schedule
-        if len(self.replay) < s.min_sequences:
-            return False, "too_few_sequences"
-        if s.every_n_steps and self._steps_since_train >= s.every_n_steps:
-            return True, "schedule"
-        if s.drift_fraction and self._drift_ref is not None:
-            now = self._measured
-            if now is None and self._steps_since_train > 0:
-                # no engine measurement: simulate the live draft on the newest held-out rollouts
-                now = self.score(self.live_draft(), self.replay.heldout())
-            if now is not None and now < self._drift_ref * (1 - s.drift_fraction):
-                return True, "drift"
-        return False, "not_due"
 
     def _train_block(self, train: list[ReplayItem], n: int) -> dict[str, float]:
         """``n`` optimizer steps on batches drawn from ``train`` (recent versions weighted up)."""
@@ -313,9 +359,19 @@ class DraftAdapter:
             picks = group_by_length(picks, self.rng)
         return self.trainer.train_steps((self._captured(p) for p in picks), n=n)
 
+    def _score_candidate(self, held: list[CapturedBatch]) -> float:
+        """The trainer's draft as it stands, scored in place (no export copy)."""
+        model = self.trainer.model
+        model.eval()
+        try:
+            return self.score(model, held)
+        finally:
+            model.train()
+
     def step(self, force: bool = False) -> dict[str, float]:
         """Train if the schedule says so, validate, and publish a better draft. Returns metrics."""
-        due, why = self._due()
+        due, why = self.trigger.due(len(self.replay), lambda: self.score(self.live_draft(), self._batches(
+            self.replay.heldout(), self.cfg.batch_size)))
         metrics: dict[str, float] = {"adapt/trained": 0.0, "adapt/published": 0.0, "adapt/rejected": 0.0}
         if not (due or force and len(self.replay) > 0):
             metrics["adapt/skipped"] = 1.0
@@ -331,10 +387,10 @@ class DraftAdapter:
         if not heldout or not train:
             metrics["adapt/skipped"] = 1.0
             return metrics
-        # Both drafts are scored on the same held-out rollouts, captured once against the current
-        # policy: a score remembered from an older policy is not comparable (when the policy moves
-        # fast every score falls, and a stale live score would reject every candidate).
-        held = list(self._batches(heldout, self.cfg.batch_size))
+        # Both drafts are scored on the same held-out rollouts, captured once: a score remembered
+        # from an older policy is not comparable (when the policy moves fast every score falls,
+        # and a stale live score would reject every candidate).
+        held = self._batches(heldout, self.cfg.batch_size)
         live = self.score(self.live_draft(), held)
         self.refresh_shared_embeddings()
         sched = self.cfg.schedule
@@ -343,34 +399,34 @@ class DraftAdapter:
         while True:
             train_metrics = self._train_block(train, sched.train_steps)
             done += sched.train_steps
-            candidate = self.score(self.trainer.export_draft(), held)
+            candidate = self._score_candidate(held)
             # another block only while the last one still paid off (the draft is behind the policy)
             if done + sched.train_steps > budget or candidate < before * (1 + sched.catchup_gain):
                 break
             before = candidate
         metrics.update({k: v for k, v in train_metrics.items() if k.startswith("train/")})
-        metrics["adapt/train_steps"] = float(done)
         metrics.update({
+            "adapt/train_steps": float(done),
             "adapt/trained": 1.0,
             "adapt/trigger_drift": float(why == "drift"),
             "accept/simulated_length": candidate,
             "accept/simulated_live": live,
             "adapt/heldout_seqs": float(len(heldout)),
         })
-        self._steps_since_train = 0
-        if candidate >= live * (1 - self.cfg.validate_cfg.margin):
-            version = self.publish()
+        published = candidate >= live * (1 - self.cfg.validate_cfg.margin)
+        if published:
+            # tagged with the newest policy its targets came from: the sampling policy of the
+            # newest rollouts when they were handed over, else the adapter's current copy
+            target_version = self.policy_version
+            if all(self._handed_over(it) for it in train + heldout):
+                target_version = max(it.policy_version for it in train + heldout)
+            version = self.publish(target_version)
             metrics["adapt/published"] = 1.0
             metrics["draft/published_version"] = float(version)
-            self._live_score = candidate
-            # drift is measured from here: the engine's next measurement of this draft, or
-            # (without an engine) its simulated score
-            self._drift_ref = None if self._measured is not None else candidate
         else:
             metrics["adapt/rejected"] = 1.0
-            self._live_score = live
+        self.trigger.trained(published, candidate)
         metrics["stage/adapt_s"] = time.perf_counter() - t0
-        self._last_metrics = metrics
         if self.logger is not None:
             self.logger.log_dict(metrics, step=self.policy_version)
         return metrics
@@ -383,13 +439,13 @@ class DraftAdapter:
                 head.embed_tokens.weight.copy_(self.policy.get_input_embeddings().weight)
 
     def live_draft(self):
-        """The newest published draft as the engine serves it (shared modules from the current policy)."""
-        latest = self.store.latest()
-        module = _load_draft(latest.path, self.policy_dir, self.cfg.method)[0]
-        self.refresh_shared_embeddings(module)
-        return module
+        """The newest published draft as the engine serves it (shared modules from the current
+        policy). Kept in memory from its publish; callers must not modify it."""
+        self.refresh_shared_embeddings(self._live)
+        return self._live
 
-    def _publish_module(self, module, policy_version: int) -> int:
+    def _publish_module(self, module, policy_version: int):
+        """Write ``module`` as the next version; returns it (eval mode), now the live draft."""
         from draftadapt.drafts.formats import export_eagle3
         from draftadapt.drafts.small_lm import export_small_lm
 
@@ -403,12 +459,15 @@ class DraftAdapter:
             else:
                 export_small_lm(module, tmp, self.policy_dir, meta=m)
 
-        version, _ = self.store.publish(write, policy_version=int(policy_version))
-        return version
+        self.store.publish(write, policy_version=int(policy_version))
+        return module.eval()
 
-    def publish(self) -> int:
-        """Write the trainer's current draft as a new version (atomic), tagged with the policy version."""
-        return self._publish_module(self.trainer.export_draft(), self.policy_version)
+    def publish(self, policy_version: int | None = None) -> int:
+        """Write the trainer's current draft as a new version (atomic), tagged with the policy
+        version it was trained against (default: the adapter's current one)."""
+        pv = self.policy_version if policy_version is None else policy_version
+        self._live = self._publish_module(self.trainer.export_draft(), pv)
+        return self.store.latest().version
 
     # ------------------------------------------------------------------ engine side
 
@@ -422,7 +481,7 @@ class DraftAdapter:
         if latest is None or latest.version == engine.draft_version:
             return None
         res = engine.swap_draft(latest.path)
-        self._swapped_in[id(engine)] = (res.checksum, latest.path)
+        self._swapped_in[engine] = (res.checksum, latest.path)
         if self.logger is not None:
             self.logger.log_dict({"swap/ms": res.ms, "draft/version": float(res.version)}, step=self.policy_version)
         return res
@@ -430,16 +489,16 @@ class DraftAdapter:
     def check_integrity(self, engine) -> bool:
         """After a policy update: is the live draft still the one last swapped in? Repair if not.
 
-        Other systems lost their drafts silently on weight sync or sleep/wake (DESIGN.md). Returns
-        True when the draft was intact.
+        Other systems lost their drafts silently on weight sync or sleep/wake (docs/design.md,
+        "Failures other systems shipped"). Returns True when the draft was intact.
         """
         # what this adapter put in (the engine's own record may be what went wrong)
-        expected, path = self._swapped_in.get(id(engine), (engine.live_checksum, engine.draft_dir))
+        expected, path = self._swapped_in.get(engine, (engine.live_checksum, engine.draft_dir))
         state = engine.draft_state()
         if expected is None or state["checksum"] == expected:
             return True
         res = engine.swap_draft(path)
-        self._swapped_in[id(engine)] = (res.checksum, path)
+        self._swapped_in[engine] = (res.checksum, path)
         if self.logger is not None:
             self.logger.log_dict({"draft/integrity_repairs": 1.0}, step=self.policy_version)
         return False
@@ -448,3 +507,13 @@ class DraftAdapter:
     def live_version(self) -> int | None:
         latest = self.store.latest()
         return None if latest is None else latest.version
+
+
+def _pad_rows(rows: list[torch.Tensor | None], width: int) -> torch.Tensor | None:
+    """Per-sequence [n_i, D] tensors -> [B, width, D] float32, zero past each row's end."""
+    if rows[0] is None:
+        return None
+    out = torch.zeros((len(rows), width, rows[0].shape[-1]), dtype=torch.float32)
+    for r, t in enumerate(rows):
+        out[r, : t.shape[0]] = t
+    return out

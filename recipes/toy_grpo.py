@@ -14,6 +14,7 @@ OUT/tb/ (TensorBoard).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import gc
 import json
@@ -91,6 +92,13 @@ class DemoConfig:
     # (draftadapt.spool.SpoolWriter): a recorded run to replay adapter configs on offline
     # (scripts/replay_adapter.py) or to feed a sidecar. ~20 MB of policy weights per step here.
     spool: str | None = None
+    # false: the same RL loop with no speculation and no draftadapt (plain vLLM rollouts): the
+    # baseline a user has today. Its summary's end_to_end is what baseline= compares against.
+    spec: bool = True
+    baseline: str | None = None  # a finished spec=false run's OUT: the summary gains the speedup over it
+    # At the last step, also measure the arms at the RL batch (every rollout prompt of that step):
+    # on CPU the speedup falls with the batch size, so the small eval set flatters it.
+    rl_batch_arms: bool = True
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     # 20 optimizer steps of 16 sequences per RL step (~7 s of a ~25 s step, batches grouped by
@@ -103,9 +111,13 @@ class DemoConfig:
         batch_size=16, schedule=ScheduleConfig(train_steps=20), train=replace(AdapterConfig().train, lr=2e-3)))
 
 
-def token_logprobs(model, batch: dict) -> torch.Tensor:
-    """log p_model(token u+1 | tokens <= u) for every slot: [B, T-1]."""
+def token_logprobs(model, batch: dict, handover=None, index=None) -> torch.Tensor:
+    """log p_model(token u+1 | tokens <= u) for every slot: [B, T-1]. With a draftadapt
+    ``handover`` the forward's aux states and logits are also handed to the adapter (rows
+    ``index`` of the step's rollouts): the adapter then runs no forward of its own."""
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    if handover is not None:
+        handover.add(index, logits, batch["attention_mask"])
     logp = torch.log_softmax(logits.float(), dim=-1)[:, :-1]
     return logp.gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
 
@@ -117,9 +129,11 @@ def kl_to_reference(lp: torch.Tensor, ref_lp: torch.Tensor, mask: torch.Tensor) 
     return ((torch.exp(d) - d - 1) * mask).sum() / mask.sum()
 
 
-def grpo_update(policy, reference, opt, problems, rollouts, cfg: GRPOConfig, pad_id: int, step: int) -> dict:
+def grpo_update(policy, reference, opt, problems, rollouts, cfg: GRPOConfig, pad_id: int, step: int,
+                handover=None) -> dict:
     """One on-policy GRPO step: group-normalised advantages, REINFORCE on the sampled tokens
-    (length-normalised per sequence), plus a per-token KL penalty to the initial policy."""
+    (length-normalised per sequence), plus a per-token KL penalty to the initial policy.
+    ``handover``: draftadapt's HandOver, fed from this update's own forward (no second pass)."""
     rewards = []
     for prob, r in zip(problems, rollouts):
         rew = task.reward(prob, r.text)
@@ -144,7 +158,7 @@ def grpo_update(policy, reference, opt, problems, rollouts, cfg: GRPOConfig, pad
         idx = order[lo: lo + cfg.micro_batch]
         batch = collate([seqs[i] for i in idx], pad_id)
         mask = batch["loss_mask"][:, :-1].float()  # slots whose next token is a response token
-        lp = token_logprobs(policy, batch)
+        lp = token_logprobs(policy, batch, handover, idx)
         pg = -(adv[idx] * (lp * mask).sum(-1) / mask.sum(-1).clamp(min=1)).sum() / n
         loss = pg
         if cfg.kl_coef and mask.sum() > 0:
@@ -185,13 +199,13 @@ def prepare_world(cfg: DemoConfig, out: Path) -> tuple[Path, Path]:
     return toy, draft
 
 
-def measure(engine: RolloutEngine, prompts: list[str], cfg: DemoConfig) -> dict:
+def measure(engine: RolloutEngine, prompts: list[str], cfg: DemoConfig, max_tokens: int | None = None) -> dict:
     # The engine runs in this process (CPU): a garbage-collector pass over the trainer's heap
     # inside a ~2 s timing would land on whichever arm it hits. Collect first, then hold it off.
     gc.collect()
     gc.disable()
     try:
-        res = engine.generate(prompts, temperature=cfg.grpo.temperature, max_tokens=cfg.eval.max_tokens,
+        res = engine.generate(prompts, temperature=cfg.grpo.temperature, max_tokens=max_tokens or cfg.eval.max_tokens,
                               seed=cfg.eval.seed)
     finally:
         gc.enable()
@@ -202,27 +216,28 @@ def measure(engine: RolloutEngine, prompts: list[str], cfg: DemoConfig) -> dict:
 
 
 def measure_arms(plain: RolloutEngine, spec: RolloutEngine, draft0: Path, prompts: list[str], cfg: DemoConfig,
-                 step: int) -> tuple[dict, dict, dict]:
+                 step: int, max_tokens: int | None = None) -> tuple[dict, dict, dict]:
     """No speculation, the frozen draft, the adapted draft: same prompts, same policy. The order
     flips every step (plain first, then last), so a slow drift of this machine's speed does not
     favour one arm's tokens/s."""
     if step % 2 == 0:
-        m_plain = measure(plain, prompts, cfg)
-        m_frozen = measure_draft(spec, draft0, prompts, cfg)
-        m_adapted = measure(spec, prompts, cfg)
+        m_plain = measure(plain, prompts, cfg, max_tokens)
+        m_frozen = measure_draft(spec, draft0, prompts, cfg, max_tokens)
+        m_adapted = measure(spec, prompts, cfg, max_tokens)
     else:
-        m_adapted = measure(spec, prompts, cfg)
-        m_frozen = measure_draft(spec, draft0, prompts, cfg)
-        m_plain = measure(plain, prompts, cfg)
+        m_adapted = measure(spec, prompts, cfg, max_tokens)
+        m_frozen = measure_draft(spec, draft0, prompts, cfg, max_tokens)
+        m_plain = measure(plain, prompts, cfg, max_tokens)
     return m_plain, m_frozen, m_adapted
 
 
-def measure_draft(spec: RolloutEngine, draft: Path, prompts: list[str], cfg: DemoConfig) -> dict:
+def measure_draft(spec: RolloutEngine, draft: Path, prompts: list[str], cfg: DemoConfig,
+                  max_tokens: int | None = None) -> dict:
     """Measure another draft in the running engine: swap it in, generate, swap the live one back."""
     live = spec.draft_dir
     spec.swap_draft(draft)
     try:
-        return measure(spec, prompts, cfg)
+        return measure(spec, prompts, cfg, max_tokens)
     finally:
         spec.swap_draft(live)
 
@@ -232,11 +247,12 @@ def run(cfg: DemoConfig) -> dict:
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     save_config(cfg, out / "config.yaml")
+    baseline = load_baseline(cfg.baseline) if cfg.baseline else None
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
     toy, draft0 = prepare_world(cfg, out)
 
-    # ---- setup: the "existing RL run" (policy + engines) and draftadapt beside it
+    # ---- setup: the "existing RL run" (policy + engine) and, with spec, draftadapt beside it
     from transformers import AutoModelForCausalLM
 
     policy = AutoModelForCausalLM.from_pretrained(str(toy), torch_dtype=torch.float32)
@@ -245,10 +261,13 @@ def run(cfg: DemoConfig) -> dict:
     pad_id = int(policy.config.pad_token_id or 0)
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg.grpo.lr, betas=(0.9, 0.99))
     logger = make_logger(["tensorboard", "jsonl"], out)
-    adapter = DraftAdapter(toy, draft0, out / "drafts", cfg.adapter)  # its metrics land in our row
-    spec = RolloutEngine(toy, draft0, method="eagle3", num_speculative_tokens=cfg.k,
-                         threads=cfg.engine_threads, seed=cfg.seed)
+    adapter = spec = None
+    if cfg.spec:
+        adapter = DraftAdapter(toy, draft0, out / "drafts", cfg.adapter)  # its metrics land in our row
+        spec = RolloutEngine(toy, draft0, method="eagle3", num_speculative_tokens=cfg.k,
+                             threads=cfg.engine_threads, seed=cfg.seed)
     plain = RolloutEngine(toy, None, threads=cfg.engine_threads, seed=cfg.seed)
+    rollout_engine = spec or plain  # what the RL step generates with
     eval_prompts = [p["prompt"] for p in task.load_heldout(toy)[: cfg.eval.prompts]]
     spool = None
     if cfg.spool:
@@ -260,78 +279,120 @@ def run(cfg: DemoConfig) -> dict:
     # train, so the trainer takes the cores back.
     torch.set_num_threads(cfg.engine_threads)
     history: list[dict] = []
-    arms = {"plain": [], "frozen": [], "adapted": []}
+    arms = {"plain": [], "frozen": [], "adapted": []} if cfg.spec else {"plain": []}
+    rl_batch = None
     t_start = time.perf_counter()
 
     try:
         for step in range(cfg.grpo.steps):
             row: dict = {"step": step}
-            # 1. rollouts from the live (adapted) draft: speculation changes nothing they contain
+            # 1. rollouts (with spec: from the live adapted draft; speculation changes nothing they contain)
             problems = [p for p in task.sample_problems(cfg.grpo.prompts_per_step, rng.randrange(1 << 30))
                         for _ in range(cfg.grpo.group_size)]
             t0 = time.perf_counter()
-            gen = spec.generate([p["prompt"] for p in problems], temperature=cfg.grpo.temperature,
-                                max_tokens=cfg.grpo.max_tokens, seed=rng.randrange(1 << 30))
+            gen = rollout_engine.generate([p["prompt"] for p in problems], temperature=cfg.grpo.temperature,
+                                          max_tokens=cfg.grpo.max_tokens, seed=rng.randrange(1 << 30))
             row["stage/gen_s"] = time.perf_counter() - t0
+            row["tps/rl_batch"] = gen.tokens_per_s
             if spool is not None:
                 spool.write_rollouts(step, step, [r.prompt_token_ids for r in gen.rollouts],
                                      [r.token_ids for r in gen.rollouts])
-            # 2. the policy update (what the RL framework does anyway)
+            # 2. the policy update (what the RL framework does anyway); with draftadapt its forward
+            #    hands the aux states and log-probs over (hooks; the hand-over's own time is the adapter's)
             t0 = time.perf_counter()
-            row.update(grpo_update(policy, reference, opt, problems, gen.rollouts, cfg.grpo, pad_id, step))
+            handover = adapter.handover(policy) if adapter is not None else contextlib.nullcontext()
+            with handover as ho:
+                row.update(grpo_update(policy, reference, opt, problems, gen.rollouts, cfg.grpo, pad_id, step, ho))
             version = step + 1
             weights = {k: v.detach() for k, v in policy.state_dict().items()}
-            spec.update_policy(weights, version=version)
-            plain.update_policy(weights, version=version)
-            row["stage/train_s"] = time.perf_counter() - t0
+            rollout_engine.update_policy(weights, version=version)
+            handover_s = ho.seconds if ho is not None else 0.0
+            row["stage/train_s"] = time.perf_counter() - t0 - handover_s
+            t_measure = time.perf_counter()
+            if spec is not None:
+                plain.update_policy(weights, version=version)  # the no-speculation arm only
             if spool is not None:
                 spool.write_policy(version, weights, step=step)
+            row["stage/measure_s"] = time.perf_counter() - t_measure
             # 3. draftadapt, through its public API only
-            t0 = time.perf_counter()
-            row["draft/integrity_ok"] = float(adapter.check_integrity(spec))
-            adapter.observe(gen.rollouts, policy_version=version - 1)
-            adapter.update_policy(weights, version=version)
-            row.update(adapter.step())
-            swap = adapter.swap(spec)
-            if swap is not None:
-                row["swap/ms"] = swap.ms
-            row["stage/adapt_s"] = time.perf_counter() - t0
-            row["draft/version"] = float(spec.draft_version or 0)
-            # 4. the three arms on the same prompts, same policy
-            m_plain, m_frozen, m_adapted = measure_arms(plain, spec, draft0, eval_prompts, cfg, step)
-            adapter.report_measured(m_adapted["acceptance_length"])
-            for name, m in (("plain", m_plain), ("frozen", m_frozen), ("adapted", m_adapted)):
-                arms[name].append(m)
-            row.update({
-                "accept/length": m_adapted["acceptance_length"],
-                "accept/frozen_length": m_frozen["acceptance_length"],
-                **{f"accept/pos_{i}": r for i, r in enumerate(m_adapted["per_position"])},
-                "tps/plain": m_plain["tokens_per_s"], "tps/frozen": m_frozen["tokens_per_s"],
-                "tps/adapted": m_adapted["tokens_per_s"],
-                "draft/age_policy_versions": float(version - adapter.store.latest().policy_version),
-            })
+            if adapter is not None:
+                t0 = time.perf_counter()
+                row["draft/integrity_ok"] = float(adapter.check_integrity(spec))
+                adapter.observe(gen.rollouts, policy_version=version - 1, handover=ho)
+                adapter.update_policy(weights, version=version)
+                row.update(adapter.step())
+                swap = adapter.swap(spec)
+                if swap is not None:
+                    row["swap/ms"] = swap.ms
+                row["stage/adapt_s"] = time.perf_counter() - t0 + handover_s
+                row["adapt/handover_s"] = handover_s
+                row["draft/version"] = float(spec.draft_version or 0)
+            else:
+                row["stage/adapt_s"] = 0.0
+            row["stage/rl_step_s"] = row["stage/gen_s"] + row["stage/train_s"] + row["stage/adapt_s"]
+            # 4. the arms on the same prompts, same policy (outside the RL step's time)
+            t_measure = time.perf_counter()
+            last = step == cfg.grpo.steps - 1
+            if spec is not None:
+                m_plain, m_frozen, m_adapted = measure_arms(plain, spec, draft0, eval_prompts, cfg, step)
+                adapter.report_measured(m_adapted["acceptance_length"])
+                for name, m in (("plain", m_plain), ("frozen", m_frozen), ("adapted", m_adapted)):
+                    arms[name].append(m)
+                row.update({
+                    "accept/length": m_adapted["acceptance_length"],
+                    "accept/frozen_length": m_frozen["acceptance_length"],
+                    **{f"accept/pos_{i}": r for i, r in enumerate(m_adapted["per_position"])},
+                    "tps/plain": m_plain["tokens_per_s"], "tps/frozen": m_frozen["tokens_per_s"],
+                    "tps/adapted": m_adapted["tokens_per_s"],
+                    "draft/age_policy_versions": float(version - adapter.store.latest().policy_version),
+                })
+                if last and cfg.rl_batch_arms:
+                    rl_batch = measure_arms(plain, spec, draft0, [p["prompt"] for p in problems], cfg, step,
+                                            max_tokens=cfg.grpo.max_tokens)
+            else:
+                m_plain = measure(plain, eval_prompts, cfg)
+                arms["plain"].append(m_plain)
+                row["tps/plain"] = m_plain["tokens_per_s"]
+            row["stage/measure_s"] += time.perf_counter() - t_measure
             logger.log_dict({k: v for k, v in row.items() if isinstance(v, float)}, step=version)
             history.append(row)
+            accept = (f"accept frozen {row['accept/frozen_length']:.2f} adapted {row['accept/length']:.2f} | "
+                      if spec is not None else "no speculation | ")
             print(f"[demo] step {step + 1:3d}/{cfg.grpo.steps} reward {row['rl/reward']:.3f} "
-                  f"acc {row['rl/accuracy']:.2f} style {row['rl/style_frac']:.2f} | accept frozen "
-                  f"{m_frozen['acceptance_length']:.2f} adapted {m_adapted['acceptance_length']:.2f} | "
-                  f"tok/s plain {m_plain['tokens_per_s']:.0f} adapted {m_adapted['tokens_per_s']:.0f} "
-                  f"| draft v{int(row['draft/version'])}", flush=True)
+                  f"acc {row['rl/accuracy']:.2f} style {row['rl/style_frac']:.2f} | {accept}"
+                  f"RL step {row['stage/rl_step_s']:.1f} s (gen {row['stage/gen_s']:.1f} train "
+                  f"{row['stage/train_s']:.1f} adapt {row['stage/adapt_s']:.2f})"
+                  + (f" | draft v{int(row['draft/version'])}" if spec is not None else ""), flush=True)
         loop_seconds = time.perf_counter() - t_start
         if spool is not None:
             spool.finish(steps=len(history))
         save_policy(policy, toy, out / "final_policy")
-        fresh = measure_fresh(cfg, out, spec, eval_prompts) if cfg.fresh_final and history else None
+        fresh = measure_fresh(cfg, out, spec, eval_prompts) if cfg.fresh_final and history and spec else None
     finally:
-        spec.close()
-        plain.close()
+        for engine in (spec, plain):
+            if engine is not None:
+                engine.close()
         logger.close()
 
-    summary = summarize(cfg, history, arms, loop_seconds, fresh)
+    summary = summarize(cfg, history, arms, loop_seconds, fresh, rl_batch, baseline)
     summary["total_seconds"] = time.perf_counter() - t_run  # world setup + RL loop + fresh reference
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    plot(history, out / "acceptance.png")
+    if spec is not None:
+        plot(history, out / "acceptance.png")
     return summary
+
+
+def load_baseline(path: str) -> dict:
+    """A finished ``spec=false`` run's end_to_end (checked before the run starts, not after)."""
+    f = Path(path) / "summary.json"
+    if not f.is_file():
+        raise ConfigError(f"baseline={path}: no summary.json there; pass the OUT of a finished "
+                          "`draftadapt demo spec=false` run")
+    s = json.loads(f.read_text())
+    if s.get("spec", True) or "end_to_end" not in s:
+        raise ConfigError(f"baseline={path} is not a spec=false run (its summary has spec={s.get('spec')}); "
+                          "run `draftadapt demo --out DIR spec=false` on the same world and seed")
+    return s
 
 
 def save_policy(policy, toy: Path, path: Path) -> None:
@@ -377,7 +438,18 @@ def throughput(ms: list[dict]) -> float:
     return sum(m["tokens"] for m in ms) / seconds if seconds > 0 else float("nan")
 
 
-def summarize(cfg: DemoConfig, history: list[dict], arms: dict, seconds: float, fresh: dict | None = None) -> dict:
+def end_to_end(history: list[dict]) -> dict:
+    """Means per RL step of what the user's RL step pays (measurement arms excluded)."""
+    n = max(1, len(history))
+    e = {key: sum(h[f"stage/{key}"] for h in history) / n for key in ("rl_step_s", "gen_s", "train_s", "adapt_s")}
+    e["gen_share"] = e["gen_s"] / e["rl_step_s"] if e["rl_step_s"] > 0 else float("nan")
+    e["rl_step_without_adapter_s"] = e["gen_s"] + e["train_s"]
+    e["adapt_share"] = e["adapt_s"] / e["rl_step_s"] if e["rl_step_s"] > 0 else float("nan")
+    return e
+
+
+def summarize(cfg: DemoConfig, history: list[dict], arms: dict, seconds: float, fresh: dict | None = None,
+              rl_batch: tuple[dict, dict, dict] | None = None, baseline: dict | None = None) -> dict:
     n = len(history)
     last = max(1, n // 3)
 
@@ -385,8 +457,10 @@ def summarize(cfg: DemoConfig, history: list[dict], arms: dict, seconds: float, 
         xs = [x for x in xs if x == x]  # drop nan (a step where nothing was drafted)
         return sum(xs) / len(xs) if xs else float("nan")
 
-    s = {"steps": n, "seconds": seconds, "reward_per_step": [h["rl/reward"] for h in history],
-         "accuracy_per_step": [h["rl/accuracy"] for h in history], "arms": {}}
+    s = {"steps": n, "seconds": seconds, "spec": cfg.spec, "reward_per_step": [h["rl/reward"] for h in history],
+         "accuracy_per_step": [h["rl/accuracy"] for h in history], "arms": {},
+         "end_to_end": end_to_end(history),
+         "arms_measured_at": f"{cfg.eval.prompts} eval prompts every step"}
     for name, ms in arms.items():
         s["arms"][name] = {
             "acceptance_length_per_step": [m.get("acceptance_length") for m in ms],
@@ -396,6 +470,27 @@ def summarize(cfg: DemoConfig, history: list[dict], arms: dict, seconds: float, 
             # the short, noisy timings of this 2-core machine)
             "last_third_tokens_per_s": throughput(ms[-last:]),
         }
+    if rl_batch is not None:
+        p, f, a = rl_batch
+        s["rl_batch_arms"] = {
+            "measured_at": f"the last step's {cfg.grpo.prompts_per_step * cfg.grpo.group_size} rollout prompts "
+                           f"(the RL batch), final policy",
+            **{name: {"tokens_per_s": m["tokens_per_s"], "acceptance_length": m["acceptance_length"]}
+               for name, m in (("plain", p), ("frozen", f), ("adapted", a))},
+            "adapted_over_plain_tokens_per_s": a["tokens_per_s"] / p["tokens_per_s"],
+            "frozen_over_plain_tokens_per_s": f["tokens_per_s"] / p["tokens_per_s"],
+        }
+    if baseline is not None:
+        b = baseline["end_to_end"]
+        e = s["end_to_end"]
+        s["vs_baseline"] = {
+            "baseline_rl_step_s": b["rl_step_s"],
+            "rl_step_speedup": b["rl_step_s"] / e["rl_step_s"],  # >= 1: the RL run is faster with draftadapt
+            "rl_step_speedup_without_adapter": b["rl_step_s"] / e["rl_step_without_adapter_s"],
+            "gen_speedup": b["gen_s"] / e["gen_s"],
+        }
+    if not cfg.spec:
+        return s
     a, f, p = s["arms"]["adapted"], s["arms"]["frozen"], s["arms"]["plain"]
     s["last_third"] = {
         "adapted_over_frozen_acceptance": a["last_third_acceptance"] / f["last_third_acceptance"],
@@ -444,6 +539,8 @@ def main(argv: list[str] | None = None) -> int:
             overrides.append(f"{key}={val}")
     try:
         cfg = load_config(DemoConfig, RECIPE if RECIPE.is_file() else None, overrides)
+        if cfg.baseline:
+            load_baseline(cfg.baseline)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -454,10 +551,18 @@ def main(argv: list[str] | None = None) -> int:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     summary = run(cfg)
-    lt = summary["last_third"]
-    print(json.dumps({"steps": summary["steps"], "seconds": round(summary["seconds"], 1),
-                      "total_seconds": round(summary["total_seconds"], 1),
-                      **{k: round(v, 3) for k, v in lt.items()}, "out": cfg.out}))
+    e = summary["end_to_end"]
+    line = {"steps": summary["steps"], "seconds": round(summary["seconds"], 1),
+            "total_seconds": round(summary["total_seconds"], 1), "spec": cfg.spec,
+            **{k: round(v, 3) for k, v in summary.get("last_third", {}).items()},
+            "rl_step_s": round(e["rl_step_s"], 2), "adapt_share": round(e["adapt_share"], 4),
+            "gen_share": round(e["gen_share"], 3)}
+    if "rl_batch_arms" in summary:
+        line["rl_batch_adapted_over_plain_tokens_per_s"] = round(summary["rl_batch_arms"]["adapted_over_plain_tokens_per_s"], 3)
+    if "vs_baseline" in summary:
+        line.update({k: round(v, 3) for k, v in summary["vs_baseline"].items() if k != "baseline_rl_step_s"})
+    line["out"] = cfg.out
+    print(json.dumps(line))
     return 0
 
 

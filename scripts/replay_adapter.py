@@ -6,7 +6,8 @@
 SPOOL is a spool directory an RL run wrote (``draftadapt.spool.SpoolWriter``; the demo writes one
 with ``spool=DIR``): rollout shards per step and the policy checkpoint after each step. Every
 config (``--try``: AdapterConfig overrides, ``key=value`` separated by spaces; "" = the library
-defaults) sees exactly the same inputs, in the order the run produced them:
+defaults; ``targets=current`` recaptures against the newest policy instead of taking the
+sampling policy's states over, as a hand-over from the RL trainer's forward does) sees exactly the same inputs, in the order the run produced them:
 observe(step s's rollouts, version v) -> update_policy(v + 1) -> step(), then the live draft
 is scored (simulated acceptance length, vLLM's greedy drafting) on the rollouts of step s + 1,
 which the new policy sampled and no config has trained on yet. The starting draft is scored on
@@ -55,6 +56,20 @@ def eval_batches(adapter: DraftAdapter, seqs: list[Sequence], n: int) -> list[Ca
     return [adapter.capture.capture(collate(picked[i: i + bs], adapter.pad_id)) for i in range(0, len(picked), bs)]
 
 
+def handed_over(adapter: DraftAdapter, seqs: list[Sequence], micro_batch: int = 32):
+    """What the RL trainer's own forward would hand over: the rollouts run through the adapter's
+    policy copy, which is at their sampling version when they are observed (not counted as the
+    adapter's time, except the hand-over's own)."""
+    ho = adapter.handover(adapter.policy)
+    with ho, torch.no_grad():
+        for lo in range(0, len(seqs), micro_batch):
+            idx = list(range(lo, min(lo + micro_batch, len(seqs))))
+            batch = collate([seqs[i] for i in idx], adapter.pad_id)
+            logits = adapter.policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            ho.add(idx, logits, batch["attention_mask"])
+    return ho
+
+
 def replay(spool: Path, target: Path, draft: Path, overrides: list[str], eval_seqs: int = 96) -> dict:
     cfg = load_config(AdapterConfig, None, overrides)
     reader = SpoolReader(spool)
@@ -67,7 +82,12 @@ def replay(spool: Path, target: Path, draft: Path, overrides: list[str], eval_se
         frozen = adapter.live_draft()
         rows, adapt_s = [], 0.0
         for i, (step, version, seqs) in enumerate(progress(iterable=steps[:-1], desc="replay", unit="step")):
-            adapter.observe([(s.prompt_ids, s.response_ids) for s in seqs], policy_version=version)
+            if adapter.policy_version != version:
+                raise ValueError(f"{spool}: step {step}'s rollouts are of policy version {version}, the replay "
+                                 f"holds version {adapter.policy_version}; replaying needs the run's checkpoints in order")
+            ho = handed_over(adapter, seqs) if cfg.targets == "sampling" else None
+            adapter.observe([(s.prompt_ids, s.response_ids) for s in seqs], policy_version=version, handover=ho)
+            adapt_s += ho.seconds if ho is not None else 0.0
             nxt_version = steps[i + 1][1]
             if nxt_version > adapter.policy_version:
                 ckpt = reader.policy(nxt_version)

@@ -13,8 +13,9 @@ id with forward hooks on the embedding and on decoder layer k - 1 instead of tru
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, fields
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -56,6 +57,135 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
+class _AuxHooks:
+    """Forward hooks that keep the aux layers' outputs of the last forward (detached).
+
+    Aux id k is read at the output of the embedding (k = 0) or of decoder layer k - 1: the
+    residual stream after k layers, before any final norm, as vLLM captures it.
+    """
+
+    def __init__(self, model: nn.Module, aux_layer_ids: list[int]):
+        self.model = model
+        self.aux_layer_ids = list(aux_layer_ids)
+        self.grabbed: dict[int, torch.Tensor] = {}
+        self._hooks: list = []
+
+    def __enter__(self) -> "_AuxHooks":
+        layers = decoder_layers(self.model) if self.aux_layer_ids else None
+        for k in self.aux_layer_ids:
+            module = self.model.get_input_embeddings() if k == 0 else layers[k - 1]
+            self._hooks.append(module.register_forward_hook(self._keep(k)))
+        return self
+
+    def _keep(self, k: int):
+        def hook(_module, _inputs, output):
+            self.grabbed[k] = (output[0] if isinstance(output, tuple) else output).detach()
+        return hook
+
+    def __exit__(self, *exc) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        self.grabbed.clear()
+
+    def aux(self) -> torch.Tensor | None:
+        """[B, T, n*H] of the last forward, or None without aux layers."""
+        if not self.aux_layer_ids:
+            return None
+        missing = [k for k in self.aux_layer_ids if k not in self.grabbed]
+        if missing:
+            raise RuntimeError(f"no forward of the policy ran inside the hand-over since the last add() "
+                               f"(aux layers {missing} produced nothing); call add() after each forward")
+        return torch.cat([self.grabbed[k] for k in self.aux_layer_ids], dim=-1)
+
+
+def _subset_or_none(model: nn.Module, draft_to_target: torch.Tensor | None) -> torch.Tensor | None:
+    """The draft vocabulary's target ids, or None when they are the whole vocabulary in order
+    (an index_select that copies every logit would change nothing)."""
+    if draft_to_target is None:
+        return None
+    vt = model.config.vocab_size
+    if draft_to_target.numel() == vt and torch.equal(draft_to_target.cpu(), torch.arange(vt)):
+        return None
+    return draft_to_target
+
+
+def restricted_logp(logits: torch.Tensor, temperature: float, draft_to_target: torch.Tensor | None) -> torch.Tensor:
+    """[..., Vt] target logits -> [..., Vd] log softmax(logits / T), normalised over the full
+    vocabulary, at the draft vocabulary's target ids (all of them when ``draft_to_target`` is None)."""
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    if draft_to_target is not None:
+        logp = logp.index_select(-1, draft_to_target.to(logp.device))
+    return logp
+
+
+class HandOver:
+    """The aux hidden states and next-token log-probs of the RL trainer's own forward over its
+    rollouts, taken over for the draft: the adapter then runs no policy forward of its own.
+
+        with adapter.handover(policy) as ho:          # forward hooks on the policy's aux layers
+            for idx in micro_batches:                 # rollout indices of this micro-batch
+                batch = collate([seqs[i] for i in idx], pad_id)
+                logits = policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+                ho.add(idx, logits, batch["attention_mask"])   # before the next forward of policy
+                ...                                   # the trainer's loss and backward, unchanged
+        adapter.observe(rollouts, policy_version=v, handover=ho)
+
+    Batches are right padded (``data.sequences.collate``); rows may come in any order and any
+    micro-batch size. Per rollout it keeps the aux states [T, n*H] (``aux_dtype``, bf16 halves
+    memory) and the log-probs [T, Vd] at the engine's sampling temperature over the draft's
+    vocabulary: the distribution the policy *sampled these rollouts from*, which is the one the
+    draft should match while the engine serves that version (docs/design.md, "Hand-over").
+    """
+
+    def __init__(self, model: nn.Module, aux_layer_ids: list[int] | None, draft_to_target: torch.Tensor | None,
+                 temperature: float, aux_dtype: torch.dtype = torch.bfloat16):
+        self._hooks = _AuxHooks(model, list(aux_layer_ids or []))
+        self.draft_to_target = _subset_or_none(model, draft_to_target)
+        self.temperature = temperature
+        self.aux_dtype = aux_dtype
+        self.forwards = 0  # policy forwards run so far (the hand-over's promise is zero)
+        self.rows: dict[int, dict[str, torch.Tensor]] = {}
+        self.seconds = 0.0  # spent in add(): what the hand-over adds to the trainer's pass
+
+    def __enter__(self) -> "HandOver":
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+
+    @torch.no_grad()
+    def add(self, index: Sequence[int], logits: torch.Tensor, attention_mask: torch.Tensor) -> None:
+        """Keep rows ``index`` (rollout positions) of the forward that just produced ``logits``.
+
+        logits: [B, T, Vt]; attention_mask: [B, T], right padded. Detached; the trainer's
+        graph is not touched."""
+        t0 = time.perf_counter()
+        index = list(index)
+        if logits.shape[0] != len(index) or attention_mask.shape[:2] != logits.shape[:2]:
+            raise ValueError(f"hand-over: {len(index)} rollout indices for logits {tuple(logits.shape)} "
+                             f"and attention mask {tuple(attention_mask.shape)}; pass one index per row")
+        aux = self._hooks.aux()
+        lengths = attention_mask.sum(-1).tolist()
+        logp = restricted_logp(logits.detach(), self.temperature, self.draft_to_target)
+        for r, (i, n) in enumerate(zip(index, lengths)):
+            row = {"target_logp": logp[r, :n].clone()}
+            if aux is not None:
+                row["aux_hidden"] = aux[r, :n].to(self.aux_dtype).clone()
+            self.rows[int(i)] = row
+        self._hooks.grabbed.clear()
+        self.seconds += time.perf_counter() - t0
+
+    def tensors(self, n: int) -> list[dict[str, torch.Tensor]]:
+        """Per rollout 0..n-1, in order; every one must have been added."""
+        missing = [i for i in range(n) if i not in self.rows]
+        if missing:
+            raise ValueError(f"hand-over holds no forward output for rollouts {missing[:8]} "
+                             f"({len(missing)} of {n}); add() every micro-batch of the trainer's pass")
+        return [self.rows[i] for i in range(n)]
+
+
 class TargetCapture:
     """Runs the target and returns aux hidden states and next-token log-probs, no gradients.
 
@@ -77,40 +207,25 @@ class TargetCapture:
         bad = [k for k in self.aux_layer_ids if not 0 <= k <= n]
         if bad:
             raise ValueError(f"aux layer ids {bad} are outside 0..{n} for this {n}-layer target")
-        self.draft_to_target = draft_to_target
+        self.draft_to_target = _subset_or_none(model, draft_to_target)
         self.temperature = temperature
         self.aux_dtype = aux_dtype
+        self.forwards = 0  # policy forwards run so far (with a hand-over the adapter runs none)
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """input_ids, attention_mask: [B, T] -> (target_logp [B, T, Vd], aux [B, T, n*H] or None)."""
-        grabbed: dict[int, torch.Tensor] = {}
-        hooks = []
-
-        def keep(k):
-            def hook(_module, _inputs, output):
-                grabbed[k] = (output[0] if isinstance(output, tuple) else output).detach()
-            return hook
-
-        layers = decoder_layers(self.model)
-        for k in self.aux_layer_ids:
-            module = self.model.get_input_embeddings() if k == 0 else layers[k - 1]
-            hooks.append(module.register_forward_hook(keep(k)))
+        self.forwards += 1
         was_training = self.model.training
         self.model.eval()
         try:
-            logits = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+            with _AuxHooks(self.model, self.aux_layer_ids) as hooks:
+                logits = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+                aux = hooks.aux()
         finally:
-            for h in hooks:
-                h.remove()
             self.model.train(was_training)
-        logp = torch.log_softmax(logits.float() / self.temperature, dim=-1)  # [B, T, Vt]
-        if self.draft_to_target is not None:
-            logp = logp.index_select(-1, self.draft_to_target.to(logp.device))  # [B, T, Vd]
-        aux = None
-        if self.aux_layer_ids:
-            aux = torch.cat([grabbed[k] for k in self.aux_layer_ids], dim=-1).to(self.aux_dtype)
-        return logp, aux
+        logp = restricted_logp(logits, self.temperature, self.draft_to_target)  # [B, T, Vd]
+        return logp, (aux.to(self.aux_dtype) if aux is not None else None)
 
     def capture(self, batch: dict[str, torch.Tensor]) -> CapturedBatch:
         """A collated batch (``data.sequences.collate``) -> :class:`CapturedBatch`."""

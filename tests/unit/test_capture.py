@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from draftadapt.capture.hidden import TargetCapture, iter_captured
+from draftadapt.capture.hidden import HandOver, TargetCapture, iter_captured
 from draftadapt.data.sequences import Sequence, collate, iter_batches
 
 L = 4
@@ -96,3 +96,42 @@ def test_batch_order_is_deterministic_and_sharded():
     assert len(r0) == len(r1) == len(a) // 2
     skipped = [b["input_ids"].tolist() for b in iter_batches(seqs, 4, 0, seed=1, epoch=2, skip=3)]
     assert skipped == a[3:]
+
+
+def test_handover_from_the_trainers_own_forward_equals_a_capture_of_each_rollout():
+    """The RL trainer's forward (with grad, micro-batches in any order, right padded) hands over
+    exactly what a separate no-grad capture of each rollout computes, and its graph still works."""
+    model = tiny_target()
+    seqs = [Sequence([1, 2 + i % 3], [4 + j % 9 for j in range(3 + 2 * i)]) for i in range(7)]
+    keep = torch.tensor([0, 3, 5, 7, 9, 11])  # a draft vocabulary smaller than the target's
+    ho = HandOver(model, [1, 3], keep, temperature=0.7, aux_dtype=torch.float32)
+    order = [[6, 1, 3], [0, 5], [2, 4]]
+    with ho:
+        for idx in order:
+            batch = collate([seqs[i] for i in idx], 0)
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            ho.add(idx, logits, batch["attention_mask"])
+            logits.sum().backward()  # the trainer's graph is untouched by the hand-over
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    assert not any(m._forward_hooks for m in model.modules())  # hooks gone after the block
+    rows = ho.tensors(len(seqs))
+    cap = TargetCapture(model, [1, 3], keep, temperature=0.7)
+    for s, row in zip(seqs, rows):
+        alone = cap.capture(collate([s], 0))
+        assert row["target_logp"].shape == (len(s), 6) and row["aux_hidden"].shape == (len(s), 64)
+        torch.testing.assert_close(row["target_logp"], alone.target_logp[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(row["aux_hidden"], alone.aux[0], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"rollouts \[7\]"):
+        ho.tensors(8)
+
+
+def test_handover_refuses_rows_without_a_forward_and_mismatched_indices():
+    model = tiny_target()
+    batch = collate([Sequence([1], [2, 3])], 0)
+    with HandOver(model, [1], None, temperature=1.0) as ho:
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        with pytest.raises(ValueError, match="one index per row"):
+            ho.add([0, 1], logits, batch["attention_mask"])
+        ho.add([0], logits, batch["attention_mask"])
+        with pytest.raises(RuntimeError, match="no forward of the policy ran"):
+            ho.add([1], logits, batch["attention_mask"])  # the same logits again: no new forward
