@@ -144,6 +144,9 @@ class DraftStore:
                 fsync_dir(tmp)
                 final = self.out_dir / version_dir_name(version)
                 os.rename(tmp, final)  # the commit point: the version appears whole
+                # just hashed: the first get() need not read it again (same inode, size, mtime)
+                ms, ws = (final / META_FILE).stat(), (final / WEIGHTS_FILE).stat()
+                self._verified[version] = (ms.st_ino, ms.st_mtime_ns, ws.st_ino, ws.st_size, ws.st_mtime_ns)
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise

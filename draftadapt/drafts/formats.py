@@ -54,10 +54,24 @@ class DraftFormatError(ValueError):
 # --------------------------------------------------------------------------- target identity
 
 def tokenizer_digest(target_dir: str | Path) -> str:
-    """sha256 of the target's vocabulary (token -> id), so a draft can name the tokenizer it was built for."""
+    """sha256 of the target's vocabulary (token -> id), so a draft can name the tokenizer it was built for.
+
+    Loading a tokenizer takes tens of milliseconds (seconds for a large vocabulary) and every
+    export and swap asks: computed once per state of the directory's tokenizer files."""
+    target_dir = Path(target_dir).resolve()
+    files = sorted(f for f in target_dir.glob("*") if f.name.startswith(("tokenizer", "vocab", "merges", "special_tokens")))
+    key = (str(target_dir), tuple((f.name, f.stat().st_mtime_ns, f.stat().st_size) for f in files))
+    if key not in _TOKENIZER_DIGESTS:
+        _TOKENIZER_DIGESTS[key] = _tokenizer_digest(target_dir)
+    return _TOKENIZER_DIGESTS[key]
+
+
+_TOKENIZER_DIGESTS: dict[tuple, str] = {}
+
+
+def _tokenizer_digest(target_dir: Path) -> str:
     from transformers import AutoTokenizer
 
-    target_dir = Path(target_dir)
     try:
         tok = AutoTokenizer.from_pretrained(str(target_dir))
     except Exception as exc:  # transformers raises several types for a missing tokenizer

@@ -28,7 +28,6 @@ from draftadapt.drafts.formats import (
     WEIGHTS_FILE,
     DraftFormatError,
     check_draft_for_target,
-    file_sha256,
     read_hf_config,
     tokenizer_digest,
 )
@@ -361,12 +360,9 @@ class RolloutEngine:
             meta = json.loads(meta_path.read_text())
         except json.JSONDecodeError as exc:
             raise DraftSwapError(f"{meta_path} is corrupt ({exc}); not swapped") from None
-        sha = file_sha256(weights)
-        if meta.get("sha256") and meta["sha256"] != sha:
-            raise DraftSwapError(
-                f"{weights} does not match the sha256 in {meta_path} (truncated or corrupt); "
-                "the previous draft keeps serving"
-            )
+        # The worker hashes the bytes it loads against this before touching the draft (one read
+        # and one hash per swap, of exactly what is loaded).
+        sha = meta.get("sha256")
         shapes = _weight_shapes(weights)
         if shapes != self._draft_ref_shapes:
             missing = sorted(set(self._draft_ref_shapes) - set(shapes))
@@ -390,7 +386,7 @@ class RolloutEngine:
         try:
             state = self._rpc("da_load_draft", str(weights), sha, version)
         except Exception as exc:
-            raise DraftSwapError(f"the engine refused {weights}: {exc}") from None
+            raise DraftSwapError(f"the engine refused {weights}: {exc}; the previous draft keeps serving") from None
         self._live_checksum = state["checksum"]
         self._draft_version = version
         self._draft_sha = sha
