@@ -93,8 +93,8 @@ def main() -> int:
             eng.swap_draft(draft)
             tps_spec, spec = timed(eng)
             r["tokens_per_s_spec"] = round(tps_spec, 1)
-            r["acceptance_length"] = round(spec.acceptance_length, 3)
-            r["per_position_acceptance"] = [round(x, 3) for x in spec.per_position_rate]
+            r["acceptance_length"] = round(spec.length, 3)
+            r["per_position_acceptance"] = [round(x, 3) for x in spec.per_position]
         finally:
             eng.close()
         plain = RolloutEngine(toy, None, in_process=in_process)

@@ -111,11 +111,11 @@ def test_simulation_hand_computed_single_start():
     step1[0, 1, 4] = 5.0
     visited, uniform = simulate_acceptance([step0, step1], torch.arange(v), target_logp, ids, loss_mask)
     # starts: slots 1 and 2 (slot 3 has no token 5); the walk visits slot 1, accepts 2 -> done
-    assert visited.starts == 1
-    assert visited.accepted == pytest.approx([0.6, 0.6])  # pos 1 gated on the match at pos 0
+    assert visited.drafts == 1
+    assert visited.accepted_per_pos == pytest.approx([0.6, 0.6])  # pos 1 gated on the match at pos 0
     assert visited.length == pytest.approx(2.2)
-    assert uniform.starts == 2  # slot 2 proposes token 0 (argmax of zeros): p = 0.1, no match
-    assert uniform.accepted[0] == pytest.approx(0.6 + 0.1)
+    assert uniform.drafts == 2  # slot 2 proposes token 0 (argmax of zeros): p = 0.1, no match
+    assert uniform.accepted_per_pos[0] == pytest.approx(0.6 + 0.1)
 
 
 def test_stats_add_and_roundtrip():
@@ -124,6 +124,6 @@ def test_stats_add_and_roundtrip():
     c = a + b
     assert c.length == pytest.approx(1 + 9 / 10)
     assert c.per_position == pytest.approx([0.6, 0.3])
-    assert AcceptanceStats.from_tensor(c.to_tensor()).accepted == pytest.approx(c.accepted)
+    assert AcceptanceStats.from_tensor(c.to_tensor()).accepted_per_pos == pytest.approx(c.accepted_per_pos)
     with pytest.raises(ValueError):
         a + AcceptanceStats(3)
