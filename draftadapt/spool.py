@@ -49,7 +49,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from draftadapt.drafts.formats import atomic_write_json, file_sha256, fsync_dir
+from draftadapt.fileio import atomic_path, atomic_write_json, file_sha256, fsync_dir, fsync_file
 
 FORMAT_VERSION = 1
 ROLLOUT_FORMAT = "draftadapt-spool-rollouts"
@@ -160,27 +160,6 @@ def _ids(seq: Any, what: str) -> torch.Tensor:
     return t.to(torch.int64)
 
 
-def _atomic_save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    """safetensors to a temp name beside ``path``, fsync, rename: ``path`` is whole or absent.
-
-    Streams to disk instead of building the bytes in memory (aux hidden states can be large).
-    """
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    try:
-        save_file(tensors, str(tmp))
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
 class SpoolWriter:
     """Writes rollout shards and policy checkpoints into ``spool_dir`` (created if missing).
 
@@ -267,7 +246,8 @@ class SpoolWriter:
 
         rdir = self.spool_dir / ROLLOUTS_DIR
         data = rdir / f"{name}.safetensors"
-        _atomic_save_tensors(tensors, data)
+        with atomic_path(data) as tmp:  # streamed to disk: aux hidden states can be large
+            save_file(tensors, str(tmp))
         manifest = {
             "format": ROLLOUT_FORMAT,
             "format_version": FORMAT_VERSION,
@@ -319,7 +299,7 @@ class SpoolWriter:
             self._fill_policy_dir(tmp, weights)
             files = {}
             for f in sorted(tmp.iterdir()):
-                _fsync_file(f)
+                fsync_file(f)
                 files[f.name] = {"sha256": file_sha256(f), "bytes": f.stat().st_size}
             fsync_dir(tmp)
             os.rename(tmp, pdir / name)

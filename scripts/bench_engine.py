@@ -56,7 +56,7 @@ def main() -> int:
     shutil.copytree(draft, alt)
     from safetensors.torch import load_file, save_file
 
-    from draftadapt.drafts.formats import file_sha256
+    from draftadapt.fileio import file_sha256
 
     sd = load_file(str(alt / "model.safetensors"))
     sd = {k: (v * 1.01 if v.is_floating_point() else v) for k, v in sd.items()}

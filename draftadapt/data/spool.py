@@ -37,7 +37,7 @@ import torch
 from safetensors.torch import load_file
 
 from draftadapt.data.sequences import Sequence
-from draftadapt.drafts.formats import atomic_write_bytes, atomic_write_json, file_sha256, fsync_dir
+from draftadapt.fileio import atomic_write_bytes, atomic_write_json, file_sha256, fsync_dir
 from draftadapt.spool import (
     FINISHED_FILE,
     FORMAT_VERSION,

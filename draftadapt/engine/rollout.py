@@ -28,10 +28,10 @@ from draftadapt.drafts.formats import (
     WEIGHTS_FILE,
     DraftFormatError,
     check_draft_for_target,
-    file_sha256,
     read_hf_config,
     tokenizer_digest,
 )
+from draftadapt.fileio import file_sha256
 from draftadapt.metrics.acceptance import AcceptanceStats
 
 WORKER_EXT = "draftadapt.engine.worker_ext.DraftAdaptWorkerExtension"

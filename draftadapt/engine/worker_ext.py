@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from draftadapt.fileio import bytes_sha256
+
 
 def module_checksum(module: torch.nn.Module, exclude: set[str] = frozenset()) -> str:
     """A fingerprint of the weights a module serves with, as read back from its parameters.
@@ -35,7 +37,7 @@ def _read_checkpoint(path: str, sha256: str | None) -> dict[str, torch.Tensor]:
     from safetensors.torch import load
 
     data = Path(path).read_bytes()
-    if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
+    if sha256 is not None and bytes_sha256(data) != sha256:
         raise ValueError(f"{path}: sha256 does not match the manifest; refusing to load it")
     return load(data)
 

@@ -16,7 +16,7 @@ import pytest
 
 from draftadapt.data.spool import SpoolCursor, SpoolReader
 from draftadapt.data.store import DraftStore
-from draftadapt.drafts.formats import file_sha256
+from draftadapt.fileio import file_sha256
 from draftadapt.drafts.init import init_draft
 from draftadapt.spool import SpoolWriter
 from draftadapt.toy.model import ToyModelConfig, build_model

@@ -11,7 +11,7 @@ from safetensors.numpy import save_file as np_save_file
 from safetensors.torch import save_file
 
 from draftadapt.data.spool import SpoolCursor, SpoolReader
-from draftadapt.drafts.formats import file_sha256
+from draftadapt.fileio import file_sha256
 from draftadapt.spool import SpoolFormatError, SpoolWriter, rollout_name
 
 

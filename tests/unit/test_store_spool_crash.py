@@ -38,7 +38,7 @@ from safetensors.torch import load_file, save_file
 
 from draftadapt.data.spool import SpoolCursor, SpoolReader
 from draftadapt.data.store import DraftStore
-from draftadapt.drafts.formats import atomic_write_json, file_sha256
+from draftadapt.fileio import atomic_write_json, file_sha256
 from draftadapt.spool import SpoolWriter
 
 torch.set_num_threads(1)
