@@ -27,7 +27,7 @@ from pathlib import Path
 
 from draftadapt.adapter import AdapterConfig, DraftAdapter
 from draftadapt.config import ConfigError, load_config
-from draftadapt.data.spool import SpoolCursor, SpoolReader
+from draftadapt.spool import SpoolCursor, SpoolReader
 from draftadapt.data.store import DraftStore
 from draftadapt.fileio import atomic_write_json
 
