@@ -14,7 +14,7 @@ Three layouts, each a directory with ``config.json``, ``model.safetensors`` and 
 Everything a loader could otherwise guess is written explicitly: aux layer ids, draft vocab
 size, max positions, ``norm_before_residual`` and which modules are shared with the target
 (always none: a shared ``embed_tokens`` in vLLM is the target's own module, and writing it on a
-draft swap would overwrite the policy; DESIGN.md).
+draft swap would overwrite the policy; docs/design.md, "Failures other systems shipped").
 """
 
 from __future__ import annotations

@@ -172,7 +172,8 @@ class RolloutEngine:
             self.draft_dir = Path(draft)
             self._draft_ref_shapes = _weight_shapes(self.draft_dir / WEIGHTS_FILE)
 
-        # The CPU backend reserves ~92% of RAM for the first engine unless told (DESIGN.md).
+        # The CPU backend reserves ~92% of RAM for the first engine unless told (docs/design.md,
+        # "Starting engines").
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gib)))  # whole GiB
         if in_process is None:
             in_process = _on_cpu()

@@ -1,7 +1,7 @@
 """Methods mixed into every vLLM worker (``worker_extension_cls``), called via ``collective_rpc``.
 
 Arguments are file paths, never tensors (tensor arguments fail to pickle across the RPC:
-``cannot pickle memoryview objects``; DESIGN.md). Weights are loaded in place with vLLM's
+``cannot pickle memoryview objects``; docs/design.md, "In-place swaps: layerwise reload"). Weights are loaded in place with vLLM's
 layerwise reload: a plain ``load_weights`` fails on CPU because the CPU GEMM path repacks
 weights (``Attempted to load weight ... into parameter (torch.Size([0]))``).
 """
