@@ -101,7 +101,7 @@ class _SpecCounter:
         pass
 
     def snapshot(self) -> AcceptanceStats:
-        return self.totals + AcceptanceStats()
+        return self.totals + AcceptanceStats()  # a copy: the totals keep growing
 
 
 def _attach_spec_counter(llm) -> _SpecCounter:
