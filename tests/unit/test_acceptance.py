@@ -127,3 +127,17 @@ def test_stats_add_and_roundtrip():
     assert AcceptanceStats.from_tensor(c.to_tensor()).accepted_per_pos == pytest.approx(c.accepted_per_pos)
     with pytest.raises(ValueError):
         a + AcceptanceStats(3)
+
+
+def test_engine_counters_are_the_same_type():
+    # an engine's cumulative counters start empty (k unknown) and take k from the first report;
+    # a generate call's counts are the difference of two snapshots
+    before = AcceptanceStats()
+    after = before + AcceptanceStats(3, 10, [8, 5, 2], draft_tokens=30)
+    delta = after - before
+    assert (delta.k, delta.drafts, delta.draft_tokens, delta.accepted_tokens) == (3, 10, 30, 15)
+    assert delta.acceptance_length == delta.length == pytest.approx(2.5)
+    assert delta.per_position_rate == delta.per_position == pytest.approx([0.8, 0.5, 0.2])
+    assert delta.to_dict()["per_position_acceptance"] == pytest.approx([0.8, 0.5, 0.2])
+    plain = AcceptanceStats() - AcceptanceStats()  # an engine without a draft
+    assert plain.per_position == [] and math.isnan(plain.length)
