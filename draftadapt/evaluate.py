@@ -118,7 +118,7 @@ def evaluate(target: str | Path, draft: str | Path, k: int = 3, temperature: flo
     visited, uniform = simulate_on_rollouts(target, draft, method, spec_runs[0].rollouts, k, temperature,
                                             threads=threads or 1)
     sim_seconds = time.perf_counter() - t0
-    measured = spec.acceptance_length
+    measured = spec.length
     speedup = tps_spec / tps_plain
     n = len(prompts)
     return {
@@ -130,7 +130,7 @@ def evaluate(target: str | Path, draft: str | Path, k: int = 3, temperature: flo
         "acceptance_length_simulated": round(visited.length, 4),
         "acceptance_length_simulated_all_starts": round(uniform.length, 4),
         "simulated_vs_measured": round(visited.length / measured - 1.0, 4),
-        "per_position_acceptance": [round(x, 4) for x in spec.per_position_rate],
+        "per_position_acceptance": [round(x, 4) for x in spec.per_position],
         "per_position_acceptance_simulated": [round(x, 4) for x in visited.per_position],
         "drafts": spec.drafts,
         "tokens_per_s_spec": round(tps_spec, 1),

@@ -131,11 +131,56 @@ def _ensure_target(cfg: PretrainConfig, is_main: bool) -> Path:
     return target
 
 
+TOY_SOURCE = "toy"
+
+
+def load_prompts(source: str, num: int | None = None, seed: int = 0, field: str = "prompt"):
+    """A ``datasets.Dataset`` with a ``prompt`` column.
+
+    source: "toy" (``num`` fresh toy problems drawn with ``seed``) or a local .jsonl/.json/.parquet
+    file whose ``field`` column holds prompt text (shuffled with ``seed``, first ``num`` kept).
+    """
+    from draftadapt.data.prompts import load_prompt_file
+
+    if source != TOY_SOURCE:
+        return load_prompt_file(source, num, seed, field)
+    import datasets
+
+    from draftadapt.toy.task import sample_problems
+
+    if not num:
+        raise ValueError("the toy prompt source needs a number of prompts (data.num_prompts > 0)")
+    probs = sample_problems(num, seed)
+    return datasets.Dataset.from_dict({"prompt": [p["prompt"] for p in probs]})
+
+
+def heldout_prompts(target_dir: str | Path, source: str, num: int, seed: int, field: str = "prompt") -> list[str]:
+    """Held-out prompts: the target's ``heldout.jsonl`` if it has one (the toy does), else a
+    disjoint draw from ``source`` (toy: another seed; a file: the tail after shuffling)."""
+    held = Path(target_dir) / "heldout.jsonl"
+    if held.is_file():
+        ds = load_prompts(str(held), None, seed=0, field="prompt")
+        return list(ds["prompt"][:num])
+    if source == TOY_SOURCE:
+        return list(load_prompts(TOY_SOURCE, num, seed + 7_777_777)["prompt"])
+    ds = load_prompts(source, None, seed, field)
+    return list(ds["prompt"][max(0, len(ds) - num):])
+
+
+def regenerate(engine, prompt_ids: list[list[int]], temperature: float, max_tokens: int,
+               seed: int | None = None):
+    """The target's own responses (``engine``: a RolloutEngine; progress bar), one Sequence per prompt."""
+    from draftadapt.data.sequences import Sequence
+
+    result = engine.generate(prompt_ids, temperature=temperature, max_tokens=max_tokens, seed=seed, progress=True)
+    return [Sequence(list(r.prompt_token_ids), list(r.token_ids)) for r in result.rollouts]
+
+
 def _regenerate_data(cfg: PretrainConfig, target: Path, data_dir: Path) -> None:
     """Prompts -> the target's own responses through vLLM; written once, reused on resume."""
     from transformers import AutoTokenizer
 
-    from draftadapt.data.prompts import heldout_prompts, load_prompts, regenerate, tokenize_prompts
+    from draftadapt.data.prompts import tokenize_prompts
     from draftadapt.data.sequences import save_sequences
     from draftadapt.engine.rollout import RolloutEngine
 

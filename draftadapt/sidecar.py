@@ -27,9 +27,9 @@ from pathlib import Path
 
 from draftadapt.adapter import AdapterConfig, DraftAdapter
 from draftadapt.config import ConfigError, load_config
-from draftadapt.data.spool import SpoolCursor, SpoolReader
+from draftadapt.spool import SpoolCursor, SpoolReader
 from draftadapt.data.store import DraftStore
-from draftadapt.drafts.formats import atomic_write_json
+from draftadapt.fileio import atomic_write_json
 
 log = logging.getLogger("draftadapt.sidecar")
 STATE_DIR = ".sidecar"

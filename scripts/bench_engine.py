@@ -56,7 +56,7 @@ def main() -> int:
     shutil.copytree(draft, alt)
     from safetensors.torch import load_file, save_file
 
-    from draftadapt.drafts.formats import file_sha256
+    from draftadapt.fileio import file_sha256
 
     sd = load_file(str(alt / "model.safetensors"))
     sd = {k: (v * 1.01 if v.is_floating_point() else v) for k, v in sd.items()}
@@ -93,8 +93,8 @@ def main() -> int:
             eng.swap_draft(draft)
             tps_spec, spec = timed(eng)
             r["tokens_per_s_spec"] = round(tps_spec, 1)
-            r["acceptance_length"] = round(spec.acceptance_length, 3)
-            r["per_position_acceptance"] = [round(x, 3) for x in spec.per_position_rate]
+            r["acceptance_length"] = round(spec.length, 3)
+            r["per_position_acceptance"] = [round(x, 3) for x in spec.per_position]
         finally:
             eng.close()
         plain = RolloutEngine(toy, None, in_process=in_process)

@@ -112,8 +112,8 @@ def measure_arm(target: Path, draft: Path | None, method: str, prompts: list[str
     for r in runs[1:]:
         spec = spec + r.spec
     out = {"tokens_per_s": runs[best].tokens_per_s, "seconds": runs[best].seconds, "tokens": runs[best].num_tokens,
-           "acceptance_length": spec.acceptance_length if draft is not None else 1.0,
-           "per_position": spec.per_position_rate if draft is not None else [], "rollouts": runs[0].rollouts}
+           "acceptance_length": spec.length if draft is not None else 1.0,
+           "per_position": spec.per_position if draft is not None else [], "rollouts": runs[0].rollouts}
     if timers:
         t = timers[best]
         steps = max(t["steps"], 1)

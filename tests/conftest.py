@@ -16,8 +16,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("DRAFTADAPT_TEST_CACHE", REPO / ".cache" / "tests"))
 
-# Every vLLM engine in the tests reserves a small, fixed KV cache (DESIGN.md: otherwise the
-# first engine takes ~92% of RAM and the next one cannot start).
+# Every vLLM engine in the tests reserves a small, fixed KV cache: otherwise the first engine
+# takes ~92% of RAM and the next one cannot start (docs/design.md, "Starting engines").
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 

@@ -4,11 +4,11 @@ Computed from an HF transformers copy of the target (the policy), one batch at a
 stream batches through :func:`iter_captured` and drop each after use, so memory is bounded by
 one batch however large the dataset.
 
-Aux layer indexing matches vLLM (DESIGN.md): aux id k is the residual stream after k decoder
-layers, 0 being the embeddings. For k < L that is HF's ``hidden_states[k]``; for k = L vLLM takes
-the stream *before* the final norm while HF's ``hidden_states[L]`` is after it, so we read every
-id with forward hooks on the embedding and on decoder layer k - 1 instead of trusting
-``output_hidden_states``.
+Aux layer indexing matches vLLM (docs/design.md, "Eagle-3 aux layers"): aux id k is the residual
+stream after k decoder layers, 0 being the embeddings. For k < L that is HF's ``hidden_states[k]``;
+for k = L vLLM takes the stream *before* the final norm while HF's ``hidden_states[L]`` is after
+it, so we read every id with forward hooks on the embedding and on decoder layer k - 1 instead of
+trusting ``output_hidden_states``.
 """
 
 from __future__ import annotations

@@ -8,13 +8,13 @@ lose nothing a draft can learn from) and come back as float32.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from draftadapt.capture.hidden import CapturedBatch
+from draftadapt.fileio import atomic_path
 
 _FIELDS = ("input_ids", "attention_mask", "loss_mask", "target_logp", "aux")
 
@@ -42,9 +42,8 @@ class CaptureStore:
             elif t.dtype == torch.bool:
                 t = t.to(torch.uint8)  # safetensors has bool, but uint8 keeps readers simple
             tensors[name] = t.contiguous().cpu()
-        tmp = self.root / f".{key}.tmp"
-        save_file(tensors, str(tmp))
-        os.replace(tmp, self.path(key))
+        with atomic_path(self.path(key), durable=False) as tmp:  # a cache: rebuilt if a crash loses it
+            save_file(tensors, str(tmp))
 
     def load(self, key: str) -> CapturedBatch:
         t = load_file(str(self.path(key)))

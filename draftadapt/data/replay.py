@@ -42,7 +42,7 @@ import torch
 from draftadapt.data.sequences import Sequence as TokenSequence
 
 if TYPE_CHECKING:
-    from draftadapt.data.spool import RolloutShard
+    from draftadapt.spool import RolloutShard
 
 
 @dataclass

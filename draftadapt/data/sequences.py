@@ -9,13 +9,14 @@ predict.
 from __future__ import annotations
 
 import json
-import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
 
 import torch
+
+from draftadapt.fileio import atomic_path
 
 
 @dataclass
@@ -34,14 +35,9 @@ class Sequence:
 def save_sequences(path: str | Path, seqs: Iterable[Sequence]) -> Path:
     """Write atomically (temp file + rename): an interrupted run never leaves half a data file."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
+    with atomic_path(path) as tmp, open(tmp, "w") as f:
         for s in seqs:
             f.write(json.dumps({"prompt_ids": s.prompt_ids, "response_ids": s.response_ids}) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
     return path
 
 

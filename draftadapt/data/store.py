@@ -39,7 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from draftadapt.drafts.formats import META_FILE, WEIGHTS_FILE, atomic_write_json, file_sha256, fsync_dir
+from draftadapt.drafts.formats import META_FILE, WEIGHTS_FILE
+from draftadapt.fileio import atomic_write_json, file_sha256, fsync_dir, fsync_tree
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +140,7 @@ class DraftStore:
                     sha256=file_sha256(weights),
                     published_unix=time.time(),
                 )
-                _fsync_tree(tmp)
+                fsync_tree(tmp)
                 atomic_write_json(meta_path, meta)  # last inside the dir
                 fsync_dir(tmp)
                 final = self.out_dir / version_dir_name(version)
@@ -313,12 +314,3 @@ def _meta_problem(meta: Any, version: int) -> str | None:
     if not isinstance(meta.get("sha256"), str):
         return f"{META_FILE} has no sha256"
     return None
-
-
-def _fsync_tree(root: Path) -> None:
-    """fsync every file and directory under ``root`` (the rename publishes them all at once)."""
-    for dirpath, _, files in os.walk(root):
-        for name in files:
-            with open(os.path.join(dirpath, name), "rb") as f:
-                os.fsync(f.fileno())
-        fsync_dir(Path(dirpath))

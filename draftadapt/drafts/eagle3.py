@@ -63,9 +63,9 @@ class Eagle3Config:
 def default_aux_layers(num_layers: int) -> list[int]:
     """Low, middle and high layers, all distinct, all below the last layer.
 
-    vLLM's default (2, L//2, L-3) repeats a layer for small L (L=6 gives 3 twice; DESIGN.md), so
-    for small targets we spread three distinct ids over 1..L-1 instead (0, the embeddings, only
-    for L=3). Id L is avoided: vLLM captures it before the final norm, HF's hidden_states[L] after.
+    vLLM's default (2, L//2, L-3) repeats a layer for small L (L=6 gives 3 twice; docs/design.md,
+    "Eagle-3 aux layers"), so for small targets we spread three distinct ids over 1..L-1 instead
+    (0, the embeddings, only for L=3). Id L is avoided: vLLM captures it before the final norm, HF's hidden_states[L] after.
     """
     if num_layers < 3:
         raise ValueError(f"an Eagle-3 head needs a target with >= 3 layers, got {num_layers}")
@@ -271,8 +271,9 @@ def init_from_target(target, aux_layer_ids: list[int] | None, draft_vocab: int |
                      counts: torch.Tensor | None, seed: int) -> Eagle3Head:
     """A fresh head sized for an HF target: embeddings copied from the target, not random.
 
-    Random ``embed_tokens`` in an exported draft was a shipped failure elsewhere (DESIGN.md); we
-    copy the target's embeddings so the head starts from the target's token geometry.
+    Random ``embed_tokens`` in an exported draft was a shipped failure elsewhere (docs/design.md,
+    "Failures other systems shipped"); we copy the target's embeddings so the head starts from the
+    target's token geometry.
     """
     from draftadapt.drafts.vocab import build_vocab_map
 

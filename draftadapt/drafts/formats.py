@@ -14,16 +14,13 @@ Three layouts, each a directory with ``config.json``, ``model.safetensors`` and 
 Everything a loader could otherwise guess is written explicitly: aux layer ids, draft vocab
 size, max positions, ``norm_before_residual`` and which modules are shared with the target
 (always none: a shared ``embed_tokens`` in vLLM is the target's own module, and writing it on a
-draft swap would overwrite the policy; DESIGN.md).
+draft swap would overwrite the policy; docs/design.md, "Failures other systems shipped").
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -32,19 +29,11 @@ from safetensors.torch import load_file, save_file
 
 from draftadapt.drafts.eagle3 import Eagle3Config, Eagle3Head
 from draftadapt.drafts.vocab import check_vocab_map
+from draftadapt.fileio import atomic_path, atomic_write_json, bytes_sha256, file_sha256, fsync_dir
 
 META_FILE = "draftadapt.json"
 WEIGHTS_FILE = "model.safetensors"
 EAGLE3_ARCH = "LlamaForCausalLMEagle3"
-
-
-def _current_umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-_UMASK = _current_umask()
 
 
 class DraftFormatError(ValueError):
@@ -80,7 +69,7 @@ def _tokenizer_digest(target_dir: Path) -> str:
             "tokenizer there with tokenizer.save_pretrained(DIR)"
         ) from None
     vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
-    return hashlib.sha256(json.dumps(vocab).encode()).hexdigest()
+    return bytes_sha256(json.dumps(vocab).encode())
 
 
 def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
@@ -102,45 +91,6 @@ def target_fingerprint(target_dir: str | Path) -> dict[str, Any]:
         "max_position_embeddings": cfg.get("max_position_embeddings"),
         "tokenizer_sha256": tokenizer_digest(target_dir),
     }
-
-
-def file_sha256(path: str | Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
-# --------------------------------------------------------------------------- atomic writes
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """temp file in the same directory, fsync, rename: a reader sees the old file or the new one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        # mkstemp creates 0600; the RL run, the sidecar and the engine may be different users.
-        os.chmod(tmp, 0o666 & ~_UMASK)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def atomic_write_json(path: Path, obj: Any) -> None:
-    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode())
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # --------------------------------------------------------------------------- Eagle-3 export
@@ -254,11 +204,8 @@ def export_eagle3(
 def _write_draft_dir(out: Path, config: dict, sd: dict[str, torch.Tensor], info: dict) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     # Weights first, metadata last: a directory whose draftadapt.json names a sha256 is complete.
-    tmp = out / f".{WEIGHTS_FILE}.tmp"
-    save_file(sd, str(tmp))
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, out / WEIGHTS_FILE)
+    with atomic_path(out / WEIGHTS_FILE) as tmp:
+        save_file(sd, str(tmp))
     atomic_write_json(out / "config.json", config)
     info = {**info, "sha256": file_sha256(out / WEIGHTS_FILE)}
     atomic_write_json(out / META_FILE, info)

@@ -10,13 +10,11 @@ import torch
 from draftadapt.drafts.formats import (
     META_FILE,
     WEIGHTS_FILE,
-    atomic_write_json,
     copy_tokenizer,
-    file_sha256,
-    fsync_dir,
     read_hf_config,
     target_fingerprint,
 )
+from draftadapt.fileio import atomic_write_json, file_sha256, fsync_dir
 
 
 def build_small_lm(target_dir: str | Path, num_layers: int = 2, hidden_size: int = 128,

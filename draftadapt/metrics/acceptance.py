@@ -101,42 +101,75 @@ def visited_starts(match: torch.Tensor, valid: torch.Tensor, start_ok: torch.Ten
 
 @dataclass
 class AcceptanceStats:
-    """Sums over drafting starts; add them across batches and ranks, divide at the end.
+    """Speculative-decoding acceptance counts, measured (a vLLM engine) or simulated (offline).
 
-    ``accepted[i]`` sums P(positions 0..i accepted) over the counted starts, so
-    ``accepted[i] / starts`` is vLLM's per-position acceptance (accepted_per_pos / drafts) and
-    ``1 + sum(accepted) / starts`` the acceptance length.
+    Sums, not rates, so batches, generate calls and ranks merge by addition and the ratios are
+    taken once at the end. ``accepted_per_pos[i]`` counts the drafts whose positions 0..i were all
+    accepted (vLLM's ``num_accepted_tokens_per_pos``; a sum of probabilities when simulated), so
+    ``accepted_per_pos[i] / drafts`` is the per-position acceptance and
+    ``1 + sum(accepted_per_pos) / drafts`` the acceptance length.
     """
 
-    k: int
-    starts: float = 0.0  # drafting starts counted
-    accepted: list[float] = field(default_factory=list)  # [k]
+    k: int = 0  # draft length; 0 until an engine's first counts say it
+    drafts: float = 0  # drafting starts (vLLM: verification steps that carried a draft)
+    accepted_per_pos: list[float] = field(default_factory=list)  # [k]
+    draft_tokens: float = 0  # proposed tokens (vLLM's counter; 0 when simulated)
 
     def __post_init__(self):
-        if not self.accepted:
-            self.accepted = [0.0] * self.k
+        if not self.accepted_per_pos:
+            self.accepted_per_pos = [0] * self.k
+        elif not self.k:
+            self.k = len(self.accepted_per_pos)
+        elif len(self.accepted_per_pos) != self.k:
+            raise ValueError(f"{len(self.accepted_per_pos)} per-position counts for k={self.k}")
 
     def __add__(self, other: "AcceptanceStats") -> "AcceptanceStats":
-        if other.k != self.k:
+        k = self.k or other.k
+        if other.k not in (0, k):
             raise ValueError(f"cannot add acceptance stats for k={self.k} and k={other.k}")
-        return AcceptanceStats(self.k, self.starts + other.starts,
-                               [a + b for a, b in zip(self.accepted, other.accepted)])
+        pad = lambda v: list(v) + [0] * (k - len(v))  # noqa: E731  an engine that has not drafted yet
+        return AcceptanceStats(k, self.drafts + other.drafts,
+                               [a + b for a, b in zip(pad(self.accepted_per_pos), pad(other.accepted_per_pos))],
+                               self.draft_tokens + other.draft_tokens)
+
+    def __sub__(self, earlier: "AcceptanceStats") -> "AcceptanceStats":
+        """The counts between two snapshots of one engine's cumulative counters."""
+        return self + AcceptanceStats(earlier.k, -earlier.drafts, [-a for a in earlier.accepted_per_pos],
+                                      -earlier.draft_tokens)
 
     @property
-    def per_position(self) -> list[float]:
-        return [a / self.starts if self.starts else float("nan") for a in self.accepted]
+    def accepted_tokens(self) -> float:
+        return sum(self.accepted_per_pos)
 
     @property
     def length(self) -> float:
-        return 1.0 + sum(self.accepted) / self.starts if self.starts else float("nan")
+        """Tokens emitted per target forward: 1 (the bonus/corrected token) + accepted per draft."""
+        return 1.0 + self.accepted_tokens / self.drafts if self.drafts else float("nan")
+
+    @property
+    def per_position(self) -> list[float]:
+        return [a / self.drafts if self.drafts else float("nan") for a in self.accepted_per_pos]
+
+    # The engine's names for the same two rates, kept for callers written against them.
+    acceptance_length = length
+    per_position_rate = per_position
+
+    def to_dict(self) -> dict[str, float | list[float]]:
+        return {
+            "drafts": self.drafts,
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "acceptance_length": self.length,
+            "per_position_acceptance": self.per_position,
+        }
 
     def to_tensor(self) -> torch.Tensor:
-        return torch.tensor([self.starts, *self.accepted], dtype=torch.float64)
+        return torch.tensor([self.drafts, self.draft_tokens, *self.accepted_per_pos], dtype=torch.float64)
 
     @classmethod
     def from_tensor(cls, t: torch.Tensor) -> "AcceptanceStats":
         vals = t.tolist()
-        return cls(len(vals) - 1, vals[0], vals[1:])
+        return cls(len(vals) - 2, vals[0], vals[2:], vals[1])
 
 
 def acceptance_stats(

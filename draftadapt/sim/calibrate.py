@@ -21,7 +21,7 @@ import numpy as np
 
 from draftadapt.config import ConfigError
 from draftadapt.sim.config import SimConfig
-from draftadapt.sim.model import learner_times, median_for_mean, simulate_step
+from draftadapt.sim.model import learner_times, median_for_mean, rel_err, simulate_step
 from draftadapt.sim.telemetry import StepRecord
 
 FITTED_STAGES = ("prepare_s", "gen_s", "logprob_s", "train_s")
@@ -97,7 +97,7 @@ class Residual:
 
     @property
     def rel_err(self) -> float:
-        return self.predicted / self.measured - 1.0
+        return rel_err(self.predicted, self.measured)
 
 
 @dataclass

@@ -222,7 +222,7 @@ class AdaptConfig:
     every_steps: int = 1  # adapt (and swap) every N RL steps
     train_s: float = 0.0  # side-trainer time per adaptation, seconds
     exposed_frac: float = 0.0  # share of train_s on the step's critical path (0 = fully overlapped)
-    swap_ms: float = 21.0  # generation paused per draft swap (21 ms measured in-place on CPU, DESIGN.md)
+    swap_ms: float = 21.0  # generation paused per draft swap (21 ms measured in-place on CPU, docs/design.md "In-place swaps")
     accept_length: float | None = None  # acceptance right after adapting; None = spec.accept_length
     horizon_steps: int = 100  # RL steps averaged over
 

@@ -44,6 +44,11 @@ from draftadapt.sim.hardware import Arch, eagle3_head, eagle3_params, lookup_gpu
 # acceptance
 
 
+def rel_err(predicted: float, measured: float) -> float:
+    """Relative error of a projection against what was measured or published (+0.1 = 10% high)."""
+    return predicted / measured - 1.0
+
+
 def accept_length(pos_rates: list[float] | np.ndarray) -> float:
     """Expected tokens per verify step. pos_rates[i] = P(draft tokens 0..i all accepted),
     the per-position rate vLLM reports (accepted_tokens_per_pos / drafts)."""

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass
 
 from draftadapt.config import load_config
 from draftadapt.sim.config import Published, SimConfig
-from draftadapt.sim.model import CONFIGS, SimResult, simulate, step_ceiling
+from draftadapt.sim.model import CONFIGS, SimResult, rel_err, simulate, step_ceiling
 
 LABELS = {"plain": "no speculation", "spec": "speculation, frozen draft", "adapt": "speculation, adapted draft"}
 
@@ -25,7 +25,7 @@ class Comparison:
 
     @property
     def rel_err(self) -> float:
-        return self.projected / self.published - 1.0
+        return rel_err(self.projected, self.published)
 
     @property
     def ok(self) -> bool:

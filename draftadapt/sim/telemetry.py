@@ -34,33 +34,36 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+import typing
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-
-STAGES = ("prepare_s", "gen_s", "logprob_s", "train_s", "adapt_s")
-
 
 class TelemetryError(ValueError):
     """A telemetry line that cannot mean what it says."""
 
 
+def _logged(key: str):
+    """A scalar field of StepRecord, read from and written to the telemetry key ``key``."""
+    return field(default=None, metadata={"key": key})
+
+
 @dataclass
 class StepRecord:
-    step: int | None = None
-    policy_version: int | None = None
-    prepare_s: float | None = None
-    gen_s: float | None = None
-    logprob_s: float | None = None
-    train_s: float | None = None
-    adapt_s: float | None = None
-    accept_length: float | None = None
-    accept_pos: list[float] | None = None  # [k] when logged
-    simulated_length: float | None = None
-    k: int | None = None
-    tokens: float | None = None
-    num_seqs: int | None = None
-    draft_version: int | None = None
-    swap_ms: float | None = None
+    step: int | None = _logged("step")
+    policy_version: int | None = _logged("policy_version")
+    accept_length: float | None = _logged("accept/length")
+    simulated_length: float | None = _logged("accept/simulated_length")
+    k: int | None = _logged("spec/k")
+    tokens: float | None = _logged("gen/tokens")
+    num_seqs: int | None = _logged("gen/num_seqs")
+    draft_version: int | None = _logged("draft/version")
+    swap_ms: float | None = _logged("swap/ms")
+    prepare_s: float | None = _logged("stage/prepare_s")
+    gen_s: float | None = _logged("stage/gen_s")
+    logprob_s: float | None = _logged("stage/logprob_s")
+    train_s: float | None = _logged("stage/train_s")
+    adapt_s: float | None = _logged("stage/adapt_s")
+    accept_pos: list[float] | None = None  # [k] when logged, from accept/pos_0 .. pos_{k-1}
     extra: dict = field(default_factory=dict)
 
     @property
@@ -74,17 +77,12 @@ class StepRecord:
         return self.tokens / self.num_seqs
 
 
+# telemetry key -> (StepRecord field, int or float), from the fields' own declarations
+_HINTS = typing.get_type_hints(StepRecord)
 _SCALARS = {
-    "step": ("step", int),
-    "policy_version": ("policy_version", int),
-    "accept/length": ("accept_length", float),
-    "accept/simulated_length": ("simulated_length", float),
-    "spec/k": ("k", int),
-    "gen/tokens": ("tokens", float),
-    "gen/num_seqs": ("num_seqs", int),
-    "draft/version": ("draft_version", int),
-    "swap/ms": ("swap_ms", float),
-    **{f"stage/{s}": (s, float) for s in STAGES},
+    f.metadata["key"]: (f.name, int if int in typing.get_args(_HINTS[f.name]) else float)
+    for f in fields(StepRecord)
+    if "key" in f.metadata
 }
 
 

@@ -19,7 +19,7 @@ ARCHS = ("llama", "qwen3")
 @dataclass
 class ToyModelConfig:
     arch: str = "llama"  # "llama" or "qwen3"
-    num_layers: int = 6  # DESIGN.md's reference target; Eagle-3 aux layers (1, 3, 4) exist
+    num_layers: int = 6  # as in docs/design.md "Starting engines"; Eagle-3 aux layers (1, 3, 4) exist
     hidden_size: int = 256
     num_heads: int = 4  # head_dim = hidden_size / num_heads = 64
     num_kv_heads: int = 4
@@ -44,7 +44,7 @@ def hf_config(cfg: ToyModelConfig) -> LlamaConfig | Qwen3Config:
         rope_theta=cfg.rope_theta,
         rms_norm_eps=1e-6,
         # Separate lm_head: drafts that share the target's embeddings must not also
-        # share (and later overwrite) its output head; see DESIGN.md "Shared modules".
+        # share (and later overwrite) its output head; docs/design.md, "Failures other systems shipped".
         tie_word_embeddings=False,
         bos_token_id=BOS_ID,
         eos_token_id=EOS_ID,

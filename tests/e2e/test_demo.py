@@ -42,10 +42,20 @@ def test_demo_smoke(toy_target, tmp_path):
     for name in ("accept/length", "accept/pos_0", "accept/simulated_length", "draft/version",
                  "draft/age_policy_versions", "train/loss", "stage/gen_s", "stage/train_s", "stage/adapt_s"):
         assert name in keys, name
+    # The measured length is the counters' own arithmetic, 1 + the per-position rates, and vLLM
+    # counts position i only after 0..i-1 were accepted, so the rates never rise. (draft0 is a
+    # random head and trains 2 steps a round: no bound on the length itself is safe here.)
+    for r in (r for r in rows if "accept/pos_0" in r):
+        pos = [r[f"accept/pos_{i}"] for i in range(3)]
+        assert r["accept/length"] == pytest.approx(1.0 + sum(pos), abs=1e-6), r
+        assert pos[0] >= pos[1] >= pos[2], r
     assert list((out / "tb").glob("events.out.tfevents*"))
     # the reference: a fresh draft pretrained on the final policy, measured in the same engine
     fresh = summary["fresh_final"]
-    assert 1.0 <= fresh["acceptance_length"] <= 4.0
+    # Strictly above 1.0: the fresh draft is trained on the final policy's own outputs, and 8
+    # prompts x 64 tokens give ~400 drafts; even a random head's proposals are the target's sample
+    # ~1/64 of the time, so 1.0 (nothing accepted) means its weights never reached the engine.
+    assert 1.0 < fresh["acceptance_length"] <= 4.0
     assert 1.0 <= fresh["adapted_final_acceptance"] <= 4.0
     assert (out / "draft_fresh_final" / "draftadapt.json").is_file()
     assert "adapted_over_fresh_final_acceptance" in last
@@ -65,7 +75,9 @@ def test_demo_smoke(toy_target, tmp_path):
     assert [r["step"] for r in mine["per_step"]] == [0, 1]  # step s scored on step s + 1's rollouts
     live = {r["step"]: r["accept/simulated_length"] for r in rows if "accept/simulated_length" in r}
     for r in mine["per_step"]:
-        assert 1.0 <= r["adapted"] <= 4.0 and 1.0 <= r["frozen"] <= 4.0
+        # simulated: 1 + a sum of target probabilities of the proposals, above 1.0 for any draft
+        # whose proposals the target gives mass at all (1.0 = an all-zero or unloaded head)
+        assert 1.0 < r["adapted"] <= 4.0 and 1.0 < r["frozen"] <= 4.0
         # the demo logs the adapter's metrics at the policy version it trained against
         assert abs(r["simulated_length"] - live[r["policy_version"]]) <= 1e-3, (r, live)
     assert [r["frozen"] for r in other["per_step"]] == [r["frozen"] for r in mine["per_step"]]

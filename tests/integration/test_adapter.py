@@ -14,7 +14,8 @@ from transformers import AutoModelForCausalLM
 from draftadapt.adapter import AdapterConfig, DraftAdapter, ScheduleConfig
 from draftadapt.config import ConfigError
 from draftadapt.data.store import DraftStore
-from draftadapt.drafts.formats import META_FILE, WEIGHTS_FILE, file_sha256
+from draftadapt.drafts.formats import META_FILE, WEIGHTS_FILE
+from draftadapt.fileio import file_sha256
 from draftadapt.drafts.init import init_draft
 from draftadapt.train.trainer import TrainConfig
 

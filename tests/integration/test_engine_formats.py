@@ -18,7 +18,9 @@ def _check_metrics(res, k):
     s = res.spec
     assert s.drafts > 0 and s.draft_tokens == k * s.drafts
     assert len(s.accepted_per_pos) == k and sum(s.accepted_per_pos) == s.accepted_tokens
-    assert 1.0 <= s.acceptance_length <= k + 1
+    # the counters' own arithmetic; position i is counted only after 0..i-1 were accepted
+    assert s.acceptance_length == pytest.approx(1.0 + sum(s.per_position), abs=1e-9)
+    assert all(a >= b for a, b in zip(s.accepted_per_pos, s.accepted_per_pos[1:])), s.accepted_per_pos
 
 
 def test_original_eagle_format_serves(toy_target, tmp_path):

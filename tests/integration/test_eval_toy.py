@@ -59,7 +59,14 @@ def test_eval_prints_one_json_object_with_the_keys(trained_head, toy_target):
     assert KEYS <= set(result)
     assert len(result["per_position_acceptance"]) == 3
     measured, simulated = result["acceptance_length_measured"], result["acceptance_length_simulated"]
-    assert 1.0 <= measured <= 4.0 and 1.0 <= simulated <= 4.0
+    # Strictly above 1.0: ~1,500 drafts (32 prompts x 64 tokens at k=3) of a head trained 12 steps;
+    # even a random head's proposals are the target's sample ~1/64 of the time (~20 accepted), so
+    # 1.0 means nothing was accepted: the draft is not the one trained (lost weights, EAGLE vs
+    # Eagle-3 mismatch), failures that run without an error. (A fully pretrained head measures
+    # 3.56, README; 12 steps are far from that, so no higher bound is claimed.)
+    assert 1.0 < measured <= 4.0 and 1.0 < simulated <= 4.0
+    pos = result["per_position_acceptance"]  # measured: position i counts only after 0..i-1 were accepted
+    assert pos[0] >= pos[1] >= pos[2] and measured == pytest.approx(1.0 + sum(pos), abs=1e-3)
     # the offline estimate models what vLLM does (greedy drafts, walk over visited starts)
     assert simulated == pytest.approx(measured, rel=0.15, abs=0.1)
     assert result["tokens_per_s_spec"] > 0 and result["tokens_per_s_plain"] > 0
@@ -73,4 +80,6 @@ def test_eval_refuses_a_draft_for_another_target(trained_head, known_target):
          "--json"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 2
-    assert "another target" in proc.stderr or "target" in proc.stderr
+    # the exact error check_draft_for_target raises, with the fix it names
+    assert f"error: {trained_head} was exported for another target (" in proc.stderr, proc.stderr[-3000:]
+    assert f"`draftadapt draft init --target {known_target}`" in proc.stderr, proc.stderr[-3000:]

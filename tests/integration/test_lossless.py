@@ -18,7 +18,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from scipy.stats import chi2
 
-from draftadapt.drafts.formats import META_FILE, WEIGHTS_FILE, file_sha256
+from draftadapt.drafts.formats import META_FILE, WEIGHTS_FILE
+from draftadapt.fileio import file_sha256
 from draftadapt.drafts.small_lm import export_small_lm
 from draftadapt.engine import cpu_fix
 from draftadapt.toy.known import transition_matrix

@@ -14,11 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from draftadapt.data.spool import SpoolCursor, SpoolReader
 from draftadapt.data.store import DraftStore
-from draftadapt.drafts.formats import file_sha256
 from draftadapt.drafts.init import init_draft
-from draftadapt.spool import SpoolWriter
+from draftadapt.fileio import file_sha256
+from draftadapt.spool import SpoolCursor, SpoolReader, SpoolWriter
 from draftadapt.toy.model import ToyModelConfig, build_model
 from draftadapt.toy.tokenizer import build_tokenizer
 

@@ -111,11 +111,11 @@ def test_simulation_hand_computed_single_start():
     step1[0, 1, 4] = 5.0
     visited, uniform = simulate_acceptance([step0, step1], torch.arange(v), target_logp, ids, loss_mask)
     # starts: slots 1 and 2 (slot 3 has no token 5); the walk visits slot 1, accepts 2 -> done
-    assert visited.starts == 1
-    assert visited.accepted == pytest.approx([0.6, 0.6])  # pos 1 gated on the match at pos 0
+    assert visited.drafts == 1
+    assert visited.accepted_per_pos == pytest.approx([0.6, 0.6])  # pos 1 gated on the match at pos 0
     assert visited.length == pytest.approx(2.2)
-    assert uniform.starts == 2  # slot 2 proposes token 0 (argmax of zeros): p = 0.1, no match
-    assert uniform.accepted[0] == pytest.approx(0.6 + 0.1)
+    assert uniform.drafts == 2  # slot 2 proposes token 0 (argmax of zeros): p = 0.1, no match
+    assert uniform.accepted_per_pos[0] == pytest.approx(0.6 + 0.1)
 
 
 def test_stats_add_and_roundtrip():
@@ -124,6 +124,20 @@ def test_stats_add_and_roundtrip():
     c = a + b
     assert c.length == pytest.approx(1 + 9 / 10)
     assert c.per_position == pytest.approx([0.6, 0.3])
-    assert AcceptanceStats.from_tensor(c.to_tensor()).accepted == pytest.approx(c.accepted)
+    assert AcceptanceStats.from_tensor(c.to_tensor()).accepted_per_pos == pytest.approx(c.accepted_per_pos)
     with pytest.raises(ValueError):
         a + AcceptanceStats(3)
+
+
+def test_engine_counters_are_the_same_type():
+    # an engine's cumulative counters start empty (k unknown) and take k from the first report;
+    # a generate call's counts are the difference of two snapshots
+    before = AcceptanceStats()
+    after = before + AcceptanceStats(3, 10, [8, 5, 2], draft_tokens=30)
+    delta = after - before
+    assert (delta.k, delta.drafts, delta.draft_tokens, delta.accepted_tokens) == (3, 10, 30, 15)
+    assert delta.acceptance_length == delta.length == pytest.approx(2.5)
+    assert delta.per_position_rate == delta.per_position == pytest.approx([0.8, 0.5, 0.2])
+    assert delta.to_dict()["per_position_acceptance"] == pytest.approx([0.8, 0.5, 0.2])
+    plain = AcceptanceStats() - AcceptanceStats()  # an engine without a draft
+    assert plain.per_position == [] and math.isnan(plain.length)

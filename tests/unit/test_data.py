@@ -9,8 +9,9 @@ import torch
 
 from draftadapt.capture.hidden import CapturedBatch
 from draftadapt.capture.store import CaptureStore
-from draftadapt.data.prompts import heldout_prompts, load_prompts, token_counts
+from draftadapt.data.prompts import token_counts
 from draftadapt.data.sequences import Sequence, batch_order, collate, epoch_plan, load_sequences, save_sequences
+from draftadapt.pretrain import heldout_prompts, load_prompts
 
 
 def test_toy_prompts_are_a_dataset_and_deterministic():

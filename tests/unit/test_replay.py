@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from draftadapt.data.replay import ReplayBuffer
-from draftadapt.data.spool import SpoolReader
-from draftadapt.spool import SpoolWriter
+from draftadapt.spool import SpoolReader, SpoolWriter
 
 
 def fill(buf, versions, length=4):

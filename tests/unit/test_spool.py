@@ -10,9 +10,8 @@ import torch
 from safetensors.numpy import save_file as np_save_file
 from safetensors.torch import save_file
 
-from draftadapt.data.spool import SpoolCursor, SpoolReader
-from draftadapt.drafts.formats import file_sha256
-from draftadapt.spool import SpoolFormatError, SpoolWriter, rollout_name
+from draftadapt.fileio import file_sha256
+from draftadapt.spool import SpoolCursor, SpoolFormatError, SpoolReader, SpoolWriter, rollout_name
 
 
 def batch(seed=0, n=3):
@@ -202,7 +201,7 @@ def test_each_malformed_kind_is_quarantined_with_a_reason_and_good_shards_keep_f
 
     r = SpoolReader(tmp_path)
     cursor = SpoolCursor()
-    with caplog.at_level(logging.WARNING, logger="draftadapt.data.spool"):
+    with caplog.at_level(logging.WARNING, logger="draftadapt.spool.reader"):
         got = []
         for shard in r.poll(cursor):  # must not raise
             got.append(shard.name)
@@ -401,7 +400,7 @@ def test_rollout_name_format_is_fixed_width():
 
 
 def test_an_unexpected_error_on_one_shard_does_not_stop_the_poll(tmp_path, monkeypatch):
-    import draftadapt.data.spool as reader_mod
+    import draftadapt.spool.reader as reader_mod
 
     w = SpoolWriter(tmp_path)
     bad = w.write_rollouts(0, 0, [[1]], [[2]]).stem

@@ -9,7 +9,8 @@ import torch
 from safetensors.torch import save_file
 
 from draftadapt.data.store import DraftStore
-from draftadapt.drafts.formats import META_FILE, WEIGHTS_FILE, file_sha256
+from draftadapt.drafts.formats import META_FILE, WEIGHTS_FILE
+from draftadapt.fileio import file_sha256
 
 
 def writer(n=16, seed=0, meta=None):

@@ -24,8 +24,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from draftadapt.data.spool import SpoolCursor, SpoolReader
 from draftadapt.data.store import DraftStore
+from draftadapt.spool import SpoolCursor, SpoolReader
 
 ROUNDS = 20
 
@@ -36,10 +36,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from draftadapt.data.spool import SpoolCursor, SpoolReader
 from draftadapt.data.store import DraftStore
-from draftadapt.drafts.formats import atomic_write_json, file_sha256
-from draftadapt.spool import SpoolWriter
+from draftadapt.fileio import atomic_write_json, file_sha256
+from draftadapt.spool import SpoolCursor, SpoolReader, SpoolWriter
 
 torch.set_num_threads(1)
 ROOT = None  # the test's directory, set per fork

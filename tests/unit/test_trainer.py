@@ -122,7 +122,7 @@ def test_score_improves_with_training_and_export_copy():
         tr.train_steps(batches)
     after, uniform = tr.score(held_b, k=3)
     assert 1.0 <= before.length < after.length <= 4.0
-    assert len(after.per_position) == 3 and uniform.starts >= after.starts
+    assert len(after.per_position) == 3 and uniform.drafts >= after.drafts
     # the standalone scorer on the exported copy agrees with the trainer's
     again, _ = score_draft(tr.export_draft(), held_b, 3)
     assert again.length == pytest.approx(after.length)

@@ -1,9 +1,8 @@
 """The spool writer: how an RL run hands rollouts and policy checkpoints to ``draftadapt sidecar``.
 
 The RL side (any framework, any process) writes into a spool directory; the sidecar reads it
-(``draftadapt.data.spool.SpoolReader``). The format is documented for other languages and
-frameworks in ``docs/spool-format.md``; this module is its reference writer and the one place
-that defines it (names, tensor names, manifest fields, checks).
+(``reader.py``). The format is defined in ``format.py`` and documented for other languages and
+frameworks in ``docs/spool-format.md``; this module is its reference writer.
 
     from draftadapt.spool import SpoolWriter
 
@@ -15,29 +14,12 @@ that defines it (names, tensor names, manifest fields, checks).
         ...
         spool.write_policy(policy_version, model.state_dict())
     spool.finish()
-
-Layout::
-
-    SPOOL/rollouts/r{step:012d}-p{policy_version:09d}-{writer}-{seq:06d}.safetensors   data
-    SPOOL/rollouts/r{step:012d}-p{policy_version:09d}-{writer}-{seq:06d}.json          manifest
-    SPOOL/policy/p{version:09d}-{writer}-{seq:06d}/model.safetensors (+ config.json)   weights
-    SPOOL/policy/p{version:09d}-{writer}-{seq:06d}.json                                manifest
-    SPOOL/FINISHED.json                                                                end of run
-    SPOOL/quarantine/                                                                  bad entries
-
-Atomicity rule: data first (temp name, fsync, rename), the manifest LAST (temp name, fsync,
-rename). An entry is complete iff its manifest exists and every sha256 in it matches; a reader
-ignores entries without a manifest (still being written, or abandoned by a killed writer) and
-every name that starts with ``.`` (temp files). Names are zero-padded so that sorting them sorts
-rollouts by (step, policy_version); ``writer`` is unique per ``SpoolWriter`` so several writers
-(ranks, restarts) never collide.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import secrets
 import shutil
 import socket
@@ -49,96 +31,22 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from draftadapt.drafts.formats import atomic_write_json, file_sha256, fsync_dir
-
-FORMAT_VERSION = 1
-ROLLOUT_FORMAT = "draftadapt-spool-rollouts"
-POLICY_FORMAT = "draftadapt-spool-policy"
-
-ROLLOUTS_DIR = "rollouts"
-POLICY_DIR = "policy"
-QUARANTINE_DIR = "quarantine"
-FINISHED_FILE = "FINISHED.json"
-
-MAX_STEP = 10**12 - 1  # 12 digits in the name
-MAX_VERSION = 10**9 - 1  # 9 digits in the name
-MAX_TOKEN_ID = 2**31 - 1  # tokens are stored as int32
-
-# r{step}-p{policy_version}-{writer}-{seq}; the writer id is [A-Za-z0-9_]+ (no '-', so it parses).
-ROLLOUT_NAME_RE = re.compile(r"^r(\d{12})-p(\d{9})-([A-Za-z0-9_]{1,64})-(\d{6})$")
-POLICY_NAME_RE = re.compile(r"^p(\d{9})-([A-Za-z0-9_]{1,64})-(\d{6})$")
-WRITER_ID_RE = re.compile(r"^[A-Za-z0-9_]{1,40}$")
-
-REQUIRED_TENSORS = ("tokens", "offsets", "prompt_lens")
-OPTIONAL_TENSORS = ("rewards", "aux_hidden")
-INT_DTYPES = (torch.int32, torch.int64)
-AUX_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-class SpoolFormatError(ValueError):
-    """A spool entry that breaks the format; the message names the entry and what is wrong."""
-
-
-def rollout_name(step: int, policy_version: int, writer: str, seq: int) -> str:
-    return f"r{step:012d}-p{policy_version:09d}-{writer}-{seq:06d}"
-
-
-def policy_name(version: int, writer: str, seq: int) -> str:
-    return f"p{version:09d}-{writer}-{seq:06d}"
-
-
-def check_rollout_tensors(t: Mapping[str, torch.Tensor], where: str) -> tuple[int, int, int | None]:
-    """Check the arrays of one rollout shard against each other; return (sequences, tokens, aux dim).
-
-    The writer runs it before writing and the reader after reading, so both hold the same rule.
-
-    tokens [T] int32 (int64 accepted), offsets [n+1] int64 (int32 accepted), prompt_lens [n] int32,
-    rewards [n] float32 (optional), aux_hidden [T, D] float32/float16/bfloat16 (optional).
-    """
-    missing = [k for k in REQUIRED_TENSORS if k not in t]
-    unknown = sorted(set(t) - set(REQUIRED_TENSORS) - set(OPTIONAL_TENSORS))
-    if missing or unknown:
-        raise SpoolFormatError(
-            f"{where}: tensors {sorted(t)}; required {list(REQUIRED_TENSORS)}, optional "
-            f"{list(OPTIONAL_TENSORS)} (missing {missing}, unexpected {unknown})"
-        )
-    tokens, offsets, prompt_lens = t["tokens"], t["offsets"], t["prompt_lens"]
-    for key in REQUIRED_TENSORS:
-        if t[key].dim() != 1 or t[key].dtype not in INT_DTYPES:
-            raise SpoolFormatError(
-                f"{where}: {key} must be a 1-D int32/int64 tensor, got {t[key].dtype} {tuple(t[key].shape)}"
-            )
-    n, total = offsets.numel() - 1, tokens.numel()
-    if n < 1:
-        raise SpoolFormatError(f"{where}: offsets has {offsets.numel()} entries; need n + 1 >= 2")
-    if int(offsets[0]) != 0 or int(offsets[-1]) != total:
-        raise SpoolFormatError(
-            f"{where}: offsets must start at 0 and end at len(tokens) = {total}, "
-            f"got {int(offsets[0])} .. {int(offsets[-1])}"
-        )
-    lens = offsets[1:] - offsets[:-1]
-    if bool((lens < 1).any()):
-        raise SpoolFormatError(f"{where}: offsets must increase strictly (every sequence has a token)")
-    if prompt_lens.numel() != n:
-        raise SpoolFormatError(f"{where}: prompt_lens has {prompt_lens.numel()} entries, offsets describe {n} sequences")
-    if bool((prompt_lens < 1).any()) or bool((prompt_lens.to(torch.int64) > lens).any()):
-        raise SpoolFormatError(f"{where}: every prompt_lens[i] must be in 1..sequence length")
-    if total and (int(tokens.min()) < 0 or int(tokens.max()) > MAX_TOKEN_ID):
-        raise SpoolFormatError(f"{where}: token ids must be in 0..{MAX_TOKEN_ID}")
-    if "rewards" in t:
-        r = t["rewards"]
-        if r.dim() != 1 or r.numel() != n or not r.dtype.is_floating_point:
-            raise SpoolFormatError(f"{where}: rewards must be float [{n}], got {r.dtype} {tuple(r.shape)}")
-    dim = None
-    if "aux_hidden" in t:
-        a = t["aux_hidden"]
-        if a.dim() != 2 or a.shape[0] != total or a.dtype not in AUX_DTYPES:
-            raise SpoolFormatError(
-                f"{where}: aux_hidden must be float32/float16/bfloat16 [{total}, D] (one row per token of "
-                f"tokens, in order), got {a.dtype} {tuple(a.shape)}"
-            )
-        dim = int(a.shape[1])
-    return n, total, dim
+from draftadapt.fileio import atomic_path, atomic_write_json, file_sha256, fsync_dir, fsync_file
+from draftadapt.spool.format import (
+    AUX_DTYPES,
+    FINISHED_FILE,
+    MAX_STEP,
+    MAX_TOKEN_ID,
+    MAX_VERSION,
+    POLICY_DIR,
+    ROLLOUTS_DIR,
+    WRITER_ID_RE,
+    check_rollout_tensors,
+    policy_manifest,
+    policy_name,
+    rollout_manifest,
+    rollout_name,
+)
 
 
 def _check_version(value: Any, what: str, limit: int) -> int:
@@ -158,27 +66,6 @@ def _ids(seq: Any, what: str) -> torch.Tensor:
     if t.dim() != 1 or (t.numel() and t.dtype.is_floating_point) or t.dtype == torch.bool:
         raise ValueError(f"{what} must be a flat sequence of int token ids, got {t.dtype} {tuple(t.shape)}")
     return t.to(torch.int64)
-
-
-def _atomic_save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    """safetensors to a temp name beside ``path``, fsync, rename: ``path`` is whole or absent.
-
-    Streams to disk instead of building the bytes in memory (aux hidden states can be large).
-    """
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    try:
-        save_file(tensors, str(tmp))
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
 
 
 class SpoolWriter:
@@ -267,25 +154,13 @@ class SpoolWriter:
 
         rdir = self.spool_dir / ROLLOUTS_DIR
         data = rdir / f"{name}.safetensors"
-        _atomic_save_tensors(tensors, data)
-        manifest = {
-            "format": ROLLOUT_FORMAT,
-            "format_version": FORMAT_VERSION,
-            "name": name,
-            "data_file": data.name,
-            "sha256": file_sha256(data),
-            "bytes": data.stat().st_size,
-            "step": step,
-            "policy_version": policy_version,
-            "num_sequences": n,
-            "num_tokens": total,
-            "aux_hidden_dim": dim,
-            "has_rewards": rewards is not None,
-            "writer": self.writer,
-            "host": self._host,
-            "created_unix": time.time(),
-            "extra": extra,
-        }
+        with atomic_path(data) as tmp:  # streamed to disk: aux hidden states can be large
+            save_file(tensors, str(tmp))
+        manifest = rollout_manifest(
+            name=name, data_file=data.name, sha256=file_sha256(data), bytes=data.stat().st_size, step=step,
+            policy_version=policy_version, num_sequences=n, num_tokens=total, aux_hidden_dim=dim,
+            has_rewards=rewards is not None, writer=self.writer, host=self._host, extra=extra,
+        )
         path = rdir / f"{name}.json"
         atomic_write_json(path, manifest)  # last: from here on the shard is complete
         fsync_dir(rdir)
@@ -319,7 +194,7 @@ class SpoolWriter:
             self._fill_policy_dir(tmp, weights)
             files = {}
             for f in sorted(tmp.iterdir()):
-                _fsync_file(f)
+                fsync_file(f)
                 files[f.name] = {"sha256": file_sha256(f), "bytes": f.stat().st_size}
             fsync_dir(tmp)
             os.rename(tmp, pdir / name)
@@ -327,19 +202,8 @@ class SpoolWriter:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         fsync_dir(pdir)
-        manifest = {
-            "format": POLICY_FORMAT,
-            "format_version": FORMAT_VERSION,
-            "name": name,
-            "dir": name,
-            "version": version,
-            "step": step,
-            "files": files,
-            "writer": self.writer,
-            "host": self._host,
-            "created_unix": time.time(),
-            "extra": extra,
-        }
+        manifest = policy_manifest(name=name, version=version, step=step, files=files, writer=self.writer,
+                                   host=self._host, extra=extra)
         path = pdir / f"{name}.json"
         atomic_write_json(path, manifest)
         fsync_dir(pdir)

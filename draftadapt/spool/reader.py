@@ -1,4 +1,4 @@
-"""The spool reader: the sidecar's side of ``draftadapt.spool`` (format in ``docs/spool-format.md``).
+"""The spool reader: the sidecar's side of the spool (format in ``format.py`` and ``docs/spool-format.md``).
 
     reader = SpoolReader(spool_dir)
     cursor = SpoolCursor.load(state_dir / "cursor.json")        # empty on the first start
@@ -37,10 +37,9 @@ import torch
 from safetensors.torch import load_file
 
 from draftadapt.data.sequences import Sequence
-from draftadapt.drafts.formats import atomic_write_bytes, atomic_write_json, file_sha256, fsync_dir
-from draftadapt.spool import (
+from draftadapt.fileio import atomic_write_bytes, atomic_write_json, file_sha256, fsync_dir
+from draftadapt.spool.format import (
     FINISHED_FILE,
-    FORMAT_VERSION,
     POLICY_DIR,
     POLICY_FORMAT,
     POLICY_NAME_RE,
@@ -49,6 +48,7 @@ from draftadapt.spool import (
     ROLLOUT_NAME_RE,
     ROLLOUTS_DIR,
     SpoolFormatError,
+    check_manifest,
     check_rollout_tensors,
 )
 
@@ -162,7 +162,7 @@ class SpoolCursor:
 
 
 class SpoolReader:
-    """Lists, verifies and loads what a :class:`draftadapt.spool.SpoolWriter` wrote.
+    """Lists, verifies and loads what a :class:`~draftadapt.spool.writer.SpoolWriter` wrote.
 
     One consumer per spool (it moves malformed entries to ``quarantine/``). Never deletes
     anything unless asked (:meth:`prune`, :meth:`prune_policies`).
@@ -216,9 +216,6 @@ class SpoolReader:
             raise SpoolFormatError(f"{name}: name does not match r{{step:012d}}-p{{policy_version:09d}}-{{writer}}-{{seq:06d}}")
         step, pv = int(m.group(1)), int(m.group(2))
         man = _read_manifest(self.rollouts_dir / f"{name}.json", ROLLOUT_FORMAT)
-        for key in ("data_file", "sha256", "step", "policy_version", "num_sequences", "num_tokens"):
-            if key not in man:
-                raise SpoolFormatError(f"{name}: manifest has no {key!r}")
         if man["data_file"] != f"{name}.safetensors":
             raise SpoolFormatError(f"{name}: manifest names data file {man['data_file']!r}, expected {name}.safetensors")
         if (man["step"], man["policy_version"]) != (step, pv):
@@ -481,19 +478,7 @@ def _read_manifest(path: Path, fmt: str) -> dict[str, Any]:
         raise
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise SpoolFormatError(f"{path.name}: manifest is not valid JSON ({exc})") from None
-    if not isinstance(man, dict):
-        raise SpoolFormatError(f"{path.name}: manifest must be a JSON object")
-    if man.get("format") != fmt:
-        raise SpoolFormatError(f"{path.name}: manifest format is {man.get('format')!r}, expected {fmt!r}")
-    if man.get("format_version") != FORMAT_VERSION:
-        raise SpoolFormatError(
-            f"{path.name}: format_version {man.get('format_version')!r}; this draftadapt reads version "
-            f"{FORMAT_VERSION}. If it was written by a newer draftadapt, upgrade and move it back from quarantine/"
-        )
-    for key in ("step", "policy_version", "version", "num_sequences", "num_tokens"):
-        if key in man and man[key] is not None and (isinstance(man[key], bool) or not isinstance(man[key], int)):
-            raise SpoolFormatError(f"{path.name}: manifest {key} must be an int, got {man[key]!r}")
-    return man
+    return check_manifest(man, fmt, where=path.name)
 
 
 def _check_sha(name: str, got: str, want: Any) -> None:

@@ -1,0 +1,92 @@
+"""Crash-safe file writes and checksums, shared by every on-disk format in the package.
+
+The rule everywhere: write under a temp name in the same directory, fsync, rename. A reader sees
+the old file or the new one, never half of one, and the rename survives a power loss once the
+directory itself is fsynced (``fsync_dir``). Standard library only, so any module may import it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+
+def _current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _current_umask()
+
+
+def file_sha256(path: str | Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def bytes_sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def fsync_file(path: str | Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def fsync_dir(path: str | Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: str | Path) -> None:
+    """fsync every file and directory under ``root`` (before one rename publishes them all)."""
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            fsync_file(os.path.join(dirpath, name))
+        fsync_dir(dirpath)
+
+
+@contextmanager
+def atomic_path(path: str | Path, durable: bool = True) -> Iterator[Path]:
+    """Yield a temp path beside ``path``; once the block has written it, fsync it and rename it to
+    ``path``. If the block raises, the temp file is removed and ``path`` is untouched.
+
+    Temp names are ``.{name}.{random}.tmp`` (hidden; store and spool recovery sweep them).
+    ``durable=False`` skips the fsync, for caches that a crash may lose but must not corrupt.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        yield tmp
+        if durable:
+            fsync_file(tmp)
+        # mkstemp creates 0600; the RL run, the sidecar and the engine may be different users.
+        os.chmod(tmp, 0o666 & ~_UMASK)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data)
+
+
+def atomic_write_json(path: str | Path, obj: Any) -> None:
+    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode())
