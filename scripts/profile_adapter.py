@@ -30,7 +30,7 @@ from replay_adapter import handed_over, recorded_steps  # noqa: E402
 
 from draftadapt.adapter import AdapterConfig, DraftAdapter  # noqa: E402
 from draftadapt.config import ConfigError, load_config  # noqa: E402
-from draftadapt.data.spool import SpoolReader  # noqa: E402
+from draftadapt.spool import SpoolReader  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
