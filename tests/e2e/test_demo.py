@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -20,16 +21,40 @@ pytestmark = pytest.mark.integration
 def test_demo_smoke(toy_target, tmp_path):
     draft = init_draft(toy_target, "eagle3", tmp_path / "draft0", seed=0)
     out = tmp_path / "demo"
-    cmd = [sys.executable, "-m", "draftadapt.cli", "demo", "--out", str(out), "--steps", "3",
-           "--toy", str(toy_target), f"draft={draft}", "grpo.prompts_per_step=4", "grpo.group_size=4",
-           "eval.prompts=8", "adapter.schedule.train_steps=2", "adapter.batch_size=8",
-           "adapter.schedule.min_sequences=8", "grpo.max_tokens=64", "eval.max_tokens=64",
-           "pretrain_prompts=48", "fresh_max_minutes=0.2", f"spool={tmp_path / 'spool'}"]
+    common = ["--steps", "3", "--toy", str(toy_target), f"draft={draft}", "grpo.prompts_per_step=4",
+              "grpo.group_size=4", "eval.prompts=8", "grpo.max_tokens=64", "eval.max_tokens=64"]
+    # the baseline a user has today: the same RL loop, no speculation, no draftadapt
+    base = tmp_path / "baseline"
+    proc = subprocess.run([sys.executable, "-m", "draftadapt.cli", "demo", "--out", str(base), *common, "spec=false"],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    b = json.loads((base / "summary.json").read_text())
+    assert b["spec"] is False and list(b["arms"]) == ["plain"] and not (base / "drafts").exists()
+    e = b["end_to_end"]
+    assert e["adapt_s"] == 0.0 and e["rl_step_s"] == pytest.approx(e["gen_s"] + e["train_s"], rel=1e-9)
+    assert 0.0 < e["gen_share"] < 1.0
+    cmd = [sys.executable, "-m", "draftadapt.cli", "demo", "--out", str(out), *common,
+           "adapter.schedule.train_steps=2", "adapter.batch_size=8", "adapter.schedule.min_sequences=8",
+           "pretrain_prompts=48", "fresh_max_minutes=0.2", f"spool={tmp_path / 'spool'}", f"baseline={base}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     last = json.loads(proc.stdout.strip().splitlines()[-1])
     assert last["steps"] == 3
     summary = json.loads((out / "summary.json").read_text())
+    # end to end: what the RL step pays, measurement arms excluded; the speedup over the baseline
+    e = summary["end_to_end"]
+    assert e["rl_step_s"] == pytest.approx(e["gen_s"] + e["train_s"] + e["adapt_s"], rel=1e-9)
+    assert e["adapt_s"] > 0.0 and e["rl_step_without_adapter_s"] == pytest.approx(e["gen_s"] + e["train_s"], rel=1e-9)
+    vs = summary["vs_baseline"]
+    assert vs["rl_step_speedup"] == pytest.approx(b["end_to_end"]["rl_step_s"] / e["rl_step_s"], rel=1e-9)
+    assert last["rl_step_speedup"] == pytest.approx(vs["rl_step_speedup"], abs=1e-3)
+    rb = summary["rl_batch_arms"]  # the arms once more at the last step, on its 16 rollout prompts
+    assert rb["adapted_over_plain_tokens_per_s"] == pytest.approx(
+        rb["adapted"]["tokens_per_s"] / rb["plain"]["tokens_per_s"], rel=1e-9)
+    assert rb["adapted"]["acceptance_length"] > 1.0 and math.isnan(rb["plain"]["acceptance_length"])
+    bad = subprocess.run([sys.executable, "-m", "draftadapt.cli", "demo", "--out", str(tmp_path / "x"),
+                          f"baseline={out}"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "is not a spec=false run" in bad.stderr, bad.stderr
     for arm in ("plain", "frozen", "adapted"):
         assert len(summary["arms"][arm]["acceptance_length_per_step"]) == 3
         assert summary["arms"][arm]["mean_tokens_per_s"] > 0
@@ -40,7 +65,8 @@ def test_demo_smoke(toy_target, tmp_path):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     keys = set().union(*rows)
     for name in ("accept/length", "accept/pos_0", "accept/simulated_length", "draft/version",
-                 "draft/age_policy_versions", "train/loss", "stage/gen_s", "stage/train_s", "stage/adapt_s"):
+                 "draft/age_policy_versions", "train/loss", "stage/gen_s", "stage/train_s", "stage/adapt_s",
+                 "stage/rl_step_s", "stage/measure_s", "adapt/handover_s"):
         assert name in keys, name
     # The measured length is the counters' own arithmetic, 1 + the per-position rates, and vLLM
     # counts position i only after 0..i-1 were accepted, so the rates never rise. (draft0 is a
