@@ -90,6 +90,7 @@ def test_handover_trains_and_swaps_with_zero_policy_forwards(world, toy_target):
     hook = adapter.policy.register_forward_hook(lambda *_: forwards.append(1))
     trainer_policy = AutoModelForCausalLM.from_pretrained(str(toy_target), torch_dtype=torch.float32)
     try:
+        engine.swap_draft(world["draft0"])  # an earlier test may have left a trained draft serving
         before = engine.generate(world["prompts"][:16], temperature=1.0, max_tokens=64, seed=21).spec.acceptance_length
         for step, seed in enumerate((31, 32)):
             gen = engine.generate(world["prompts"], temperature=1.0, max_tokens=64, seed=seed)

@@ -75,13 +75,23 @@ def test_swap_changes_live_checksum_and_is_exact(engine, drafts):
 
 def test_bad_files_change_nothing(engine, drafts, toy_target, tmp_path):
     live = engine.draft_state()["checksum"]
-    # 1. truncated weights (manifest sha256 no longer matches)
+    # 1a. truncated weights: the header no longer covers the file
     trunc = tmp_path / "trunc"
     shutil.copytree(drafts["v1"], trunc)
     data = (trunc / WEIGHTS_FILE).read_bytes()
     (trunc / WEIGHTS_FILE).write_bytes(data[: len(data) // 2])
-    with pytest.raises(DraftSwapError, match="sha256"):
+    with pytest.raises(DraftSwapError, match="not a readable safetensors file"):
         engine.swap_draft(trunc)
+    # 1b. bytes flipped inside the tensor data (same length, header intact, names and shapes fit):
+    # the worker hashes the bytes it loads against the manifest's sha256 and refuses them
+    flipped = tmp_path / "flipped"
+    shutil.copytree(drafts["v1"], flipped)
+    data = bytearray((flipped / WEIGHTS_FILE).read_bytes())
+    for i in range(len(data) - 64, len(data)):
+        data[i] ^= 0xFF
+    (flipped / WEIGHTS_FILE).write_bytes(bytes(data))
+    with pytest.raises(DraftSwapError, match="sha256 does not match"):
+        engine.swap_draft(flipped)
     # 2. corrupt bytes with a manifest that agrees (no sha256): the header does not parse
     garbage = tmp_path / "garbage"
     shutil.copytree(drafts["v1"], garbage)
