@@ -246,7 +246,7 @@ class DraftAdapter:
         latest = self.store.latest()
         if latest is None:
             # the starting draft is version 0 of this run: what the engine serves before any swap
-            self._live = self._publish_module(self.trainer.export_draft(), policy_version)
+            self._live = self._publish_module(self.trainer.export_draft(), policy_version)[1]
         else:
             self._live = _load_draft(latest.path, self.policy_dir, self.cfg.method)[0].eval()
 
@@ -444,8 +444,8 @@ class DraftAdapter:
         self.refresh_shared_embeddings(self._live)
         return self._live
 
-    def _publish_module(self, module, policy_version: int):
-        """Write ``module`` as the next version; returns it (eval mode), now the live draft."""
+    def _publish_module(self, module, policy_version: int) -> tuple[int, Any]:
+        """Write ``module`` as the next version; returns (version, module in eval mode), now the live draft."""
         from draftadapt.drafts.formats import export_eagle3
         from draftadapt.drafts.small_lm import export_small_lm
 
@@ -459,15 +459,15 @@ class DraftAdapter:
             else:
                 export_small_lm(module, tmp, self.policy_dir, meta=m)
 
-        self.store.publish(write, policy_version=int(policy_version))
-        return module.eval()
+        version, _ = self.store.publish(write, policy_version=int(policy_version))
+        return version, module.eval()
 
     def publish(self, policy_version: int | None = None) -> int:
         """Write the trainer's current draft as a new version (atomic), tagged with the policy
         version it was trained against (default: the adapter's current one)."""
         pv = self.policy_version if policy_version is None else policy_version
-        self._live = self._publish_module(self.trainer.export_draft(), pv)
-        return self.store.latest().version
+        version, self._live = self._publish_module(self.trainer.export_draft(), pv)
+        return version
 
     # ------------------------------------------------------------------ engine side
 

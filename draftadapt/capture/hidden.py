@@ -144,7 +144,6 @@ class HandOver:
         self.draft_to_target = _subset_or_none(model, draft_to_target)
         self.temperature = temperature
         self.aux_dtype = aux_dtype
-        self.forwards = 0  # policy forwards run so far (the hand-over's promise is zero)
         self.rows: dict[int, dict[str, torch.Tensor]] = {}
         self.seconds = 0.0  # spent in add(): what the hand-over adds to the trainer's pass
 
@@ -172,7 +171,7 @@ class HandOver:
         for r, (i, n) in enumerate(zip(index, lengths)):
             row = {"target_logp": logp[r, :n].clone()}
             if aux is not None:
-                row["aux_hidden"] = aux[r, :n].to(self.aux_dtype).clone()
+                row["aux_hidden"] = aux[r, :n].to(self.aux_dtype, copy=True)
             self.rows[int(i)] = row
         self._hooks.grabbed.clear()
         self.seconds += time.perf_counter() - t0
