@@ -24,6 +24,8 @@ from its own copy of the current policy (docs/design.md, "Hand-over").
 
 from __future__ import annotations
 
+import logging
+import math
 import random
 import time
 import weakref
@@ -39,8 +41,20 @@ from draftadapt.data.replay import ReplayBuffer, ReplayItem
 from draftadapt.data.sequences import Sequence as TokenSeq
 from draftadapt.data.sequences import collate
 from draftadapt.data.store import DraftStore
-from draftadapt.drafts.formats import detect_format, read_hf_config
+from draftadapt.drafts.formats import (
+    IDENTITY_FIELDS,
+    DraftFormatError,
+    check_draft_for_target,
+    detect_format,
+    read_hf_config,
+    target_fingerprint,
+)
+from draftadapt.fileio import atomic_path
 from draftadapt.train.trainer import DraftTrainer, TrainConfig, score_draft
+
+log = logging.getLogger("draftadapt.adapter")
+# beside the published versions: the trainer state of the newest one (optimizer moments, step)
+RESUME_FILE = ".trainer/resume.pt"
 
 
 @dataclass
@@ -220,9 +234,14 @@ class DraftAdapter:
         self.cfg.validate()
         self.policy_dir = Path(policy_dir)
         self.logger = logger
+        # a draft built for another target is refused here, never relabelled by a publish
+        check_draft_for_target(draft_dir, self.policy_dir)
         self.policy = _load_policy(self.policy_dir)
         self.policy.eval()
         self.policy_version = policy_version
+        pc = self.policy.config.get_text_config()
+        self.vocab_size = int(pc.vocab_size)
+        self.max_positions = int(getattr(pc, "max_position_embeddings", 0) or 0)
         draft, self.format = _load_draft(Path(draft_dir), self.policy_dir, self.cfg.method)
         pad = self.policy.config.pad_token_id
         self.pad_id = 0 if pad is None else int(pad)
@@ -239,16 +258,54 @@ class DraftAdapter:
             holdout_fraction=self.cfg.validate_cfg.heldout_fraction, max_heldout=self.cfg.validate_cfg.max_heldout,
         )
         self.store = DraftStore(out_dir)
+        self._resume_path = Path(out_dir) / RESUME_FILE
         self.rng = random.Random(self.cfg.seed)
         self.trigger = DriftTrigger(self.cfg.schedule)
         # engine -> (checksum read back after our swap, the draft dir it came from)
         self._swapped_in: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         latest = self.store.latest()
+        # what a restart continued from: "start" (a new run), "published" (the newest version's
+        # weights, fresh optimizer) or "checkpoint" (its weights and the trainer state beside it)
+        self.resumed_from = "start"
         if latest is None:
             # the starting draft is version 0 of this run: what the engine serves before any swap
             self._live = self._publish_module(self.trainer.export_draft(), policy_version)[1]
         else:
-            self._live = _load_draft(latest.path, self.policy_dir, self.cfg.method)[0].eval()
+            self._live = self._resume(latest)
+
+    # ------------------------------------------------------------------ restart
+
+    def _resume(self, latest) -> Any:
+        """After a restart over an existing output dir: train on from its newest published draft,
+        with the trainer state saved beside it when that state belongs to that version."""
+        recorded = latest.meta.get("target") or {}
+        served = target_fingerprint(self.policy_dir)
+        differ = [k for k in IDENTITY_FIELDS if recorded.get(k) is not None and recorded.get(k) != served.get(k)]
+        if differ:
+            raise DraftFormatError(
+                f"{self.store.out_dir} holds drafts built for another target ({', '.join(differ)} differ from "
+                f"{self.policy_dir}); give this run its own output directory"
+            )
+        live = _load_draft(latest.path, self.policy_dir, self.cfg.method)[0].eval()
+        self.trainer.reset_to(live)
+        self.resumed_from = "published"
+        try:
+            state = torch.load(self._resume_path, weights_only=True)
+        except FileNotFoundError:
+            state = None
+        except Exception as exc:  # noqa: BLE001 - a damaged state file costs the moments, not the run
+            log.warning("adapter: %s is unreadable (%s); resuming version %d with a fresh optimizer",
+                        self._resume_path, exc, latest.version)
+            state = None
+        if state is not None and state.get("draft_version") == latest.version:
+            self.trainer.load_resume_state(state)
+            self.resumed_from = "checkpoint"
+        log.info("adapter: resumed from version %d (%s)", latest.version, self.resumed_from)
+        return live
+
+    def _save_resume(self, version: int) -> None:
+        with atomic_path(self._resume_path) as tmp:
+            torch.save({"draft_version": version, **self.trainer.resume_state()}, tmp)
 
     # ------------------------------------------------------------------ inputs
 
@@ -258,7 +315,7 @@ class DraftAdapter:
         return HandOver(policy, self.capture.aux_layer_ids, self.capture.draft_to_target, self.cfg.temperature)
 
     def observe(self, rollouts: Iterable[Any], policy_version: int, handover: HandOver | None = None,
-                hidden_states: Sequence[torch.Tensor] | None = None) -> int:
+                hidden_states: Sequence[torch.Tensor] | None = None, source: str | None = None) -> int:
         """Add one RL step's rollouts, sampled from policy ``policy_version``; returns how many.
 
         ``handover``: the states the RL trainer's forward over these rollouts produced (one row
@@ -266,6 +323,10 @@ class DraftAdapter:
         ``hidden_states`` (the spool's form: one [len(prompt)+len(response), num_aux*H] tensor
         per rollout, aux states only): used while the adapter's policy is at that same version;
         the log-probs then still come from the adapter's own forward.
+        ``source``: a name for these rollouts (e.g. the spool shard), for :meth:`forget`.
+
+        Refused with ValueError naming the rollout, nothing added: token ids outside the policy's
+        vocabulary, more tokens than its max positions, hidden states of the wrong shape or non-finite.
         """
         seqs = _as_token_seqs(rollouts)
         given: list[dict[str, torch.Tensor] | None] = [None] * len(seqs)
@@ -275,18 +336,50 @@ class DraftAdapter:
             hidden_states = list(hidden_states)
             if len(hidden_states) != len(seqs):
                 raise ValueError(f"observe: {len(hidden_states)} hidden-state tensors for {len(seqs)} rollouts")
-            given = [{"aux_hidden": h.detach().to(torch.bfloat16).cpu()} for h in hidden_states]
+            given = [{"aux_hidden": torch.as_tensor(h)} for h in hidden_states]
+        # every rollout is checked before any enters the buffer: a bad one would fail every
+        # later round (docs/design.md, "Checks at the door")
+        for i, (s, extra) in enumerate(zip(seqs, given)):
+            self._check_rollout(i, s, extra)
+        if hidden_states is not None and handover is None:
+            given = [{"aux_hidden": g["aux_hidden"].detach().to(torch.bfloat16).cpu()} for g in given]
         added = 0
         for i, (s, extra) in enumerate(zip(seqs, given)):
             if not s.response_ids:
                 continue
-            for name, t in (extra or {}).items():
-                if t.shape[0] != len(s):
-                    raise ValueError(f"observe: {name} of rollout {i} covers {t.shape[0]} tokens, the rollout has {len(s)}")
-            self.replay.add(s.prompt_ids, s.response_ids, policy_version, extra)
+            self.replay.add(s.prompt_ids, s.response_ids, policy_version, extra,
+                            source=None if source is None else f"{source}#{i}")
             added += 1
         self.trigger.observed()
         return added
+
+    def _check_rollout(self, i: int, s: TokenSeq, extra: dict[str, torch.Tensor] | None) -> None:
+        ids = torch.as_tensor(s.prompt_ids + s.response_ids)
+        if ids.numel() and (ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool):
+            raise ValueError(f"observe: rollout {i} has token ids of dtype {ids.dtype}; pass integer ids")
+        bad = ids[(ids < 0) | (ids >= self.vocab_size)]
+        if bad.numel():
+            raise ValueError(f"observe: rollout {i} has token ids {bad[:4].tolist()} outside the policy's vocabulary "
+                             f"(0..{self.vocab_size - 1}); pass the ids the engine returned")
+        if self.max_positions and len(ids) > self.max_positions:
+            raise ValueError(f"observe: rollout {i} has {len(ids)} tokens, over the policy's max_position_embeddings "
+                             f"{self.max_positions}; truncate it or drop it")
+        width = len(self.capture.aux_layer_ids or []) * int(self.policy.config.get_text_config().hidden_size)
+        for name, t in (extra or {}).items():
+            if t.dim() != 2 or t.shape[0] != len(ids):
+                raise ValueError(f"observe: {name} of rollout {i} has shape {tuple(t.shape)}; it needs one row per "
+                                 f"token of prompt + response ({len(ids)})")
+            if name == "aux_hidden" and t.shape[1] != width:
+                raise ValueError(f"observe: aux_hidden of rollout {i} is {t.shape[1]} wide; this draft reads "
+                                 f"{len(self.capture.aux_layer_ids or [])} aux layers of hidden size "
+                                 f"{width // max(1, len(self.capture.aux_layer_ids or []))} ({width})")
+            finite = torch.isfinite(t) if name == "aux_hidden" else ~torch.isnan(t)  # log-probs may be -inf
+            if not bool(finite.all()):
+                raise ValueError(f"observe: {name} of rollout {i} holds NaN or Inf; not added")
+
+    def forget(self, source: str) -> int:
+        """Drop the rollouts observed with ``source`` (e.g. a shard that made a round fail)."""
+        return self.replay.remove(lambda it: it.source is not None and it.source.rsplit("#", 1)[0] == source)
 
     def update_policy(self, weights_or_path: str | Path | dict[str, torch.Tensor], version: int) -> None:
         """Load the policy's new weights into the adapter's own HF copy (a dir, a file or a state dict)."""
@@ -304,13 +397,30 @@ class DraftAdapter:
             sd = {}
             for f in files:
                 sd.update(load_file(str(f)))
-        missing, unexpected = self.policy.load_state_dict(sd, strict=False)
-        if unexpected or [m for m in missing if "rotary" not in m]:
-            raise ValueError(
-                f"policy weights do not fit the adapter's copy of {self.policy_dir}: missing "
-                f"{missing[:4]}, unexpected {unexpected[:4]}; pass the HF state dict of the same architecture"
-            )
+        self._check_policy_weights(sd)
+        self.policy.load_state_dict(sd, strict=False)
         self.policy_version = version
+
+    def _check_policy_weights(self, sd: dict[str, torch.Tensor]) -> None:
+        """Names, shapes, dtypes and finiteness, all before anything is loaded: a refused update
+        leaves the adapter's policy as it was."""
+        ref = self.policy.state_dict()
+        missing = [k for k in ref if k not in sd and "rotary" not in k]
+        unexpected = [k for k in sd if k not in ref]
+        wrong = [f"{k} {tuple(v.shape)} (needs {tuple(ref[k].shape)})" for k, v in sd.items()
+                 if k in ref and tuple(v.shape) != tuple(ref[k].shape)]
+        if missing or unexpected or wrong:
+            raise ValueError(
+                f"policy weights do not fit the adapter's copy of {self.policy_dir}: missing {missing[:4]}, "
+                f"unexpected {unexpected[:4]}, wrong shape {wrong[:4]}; pass the HF state dict of the same architecture"
+            )
+        not_float = [k for k, v in sd.items() if ref[k].is_floating_point() and not v.is_floating_point()]
+        if not_float:
+            raise ValueError(f"policy weights {not_float[:4]} are not floating point; pass the model's own tensors")
+        bad = [k for k, v in sd.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+        if bad:
+            raise ValueError(f"policy weights {bad[:4]} hold NaN or Inf; not loaded, the adapter keeps version "
+                             f"{self.policy_version}")
 
     def report_measured(self, acceptance_length: float) -> None:
         """The acceptance length the engine measured for the live draft (feeds the drift trigger).
@@ -405,6 +515,17 @@ class DraftAdapter:
                 break
             before = candidate
         metrics.update({k: v for k, v in train_metrics.items() if k.startswith("train/")})
+        if not math.isfinite(train_metrics.get("train/loss", 0.0)) or not self.trainer.weights_finite():
+            # a non-finite round would poison every later one: back to the live draft, fresh moments
+            self.trainer.reset_to(self.live_draft())
+            log.warning("adapter: the round's loss or weights went non-finite; the trainer is back at the live draft")
+            metrics.update({"adapt/trained": 1.0, "adapt/rolled_back": 1.0, "adapt/rejected": 1.0,
+                            "train/loss": float("nan")})
+            self.trigger.trained(False, live)
+            metrics["stage/adapt_s"] = time.perf_counter() - t0
+            if self.logger is not None:
+                self.logger.log_dict({k: v for k, v in metrics.items() if math.isfinite(v)}, step=self.policy_version)
+            return metrics
         metrics.update({
             "adapt/train_steps": float(done),
             "adapt/trained": 1.0,
@@ -467,6 +588,7 @@ class DraftAdapter:
         version it was trained against (default: the adapter's current one)."""
         pv = self.policy_version if policy_version is None else policy_version
         version, self._live = self._publish_module(self.trainer.export_draft(), pv)
+        self._save_resume(version)
         return version
 
     # ------------------------------------------------------------------ engine side

@@ -3,7 +3,40 @@
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import sys
+from pathlib import Path
+
+# "org/name" or "name": what a hub id looks like (resolved from the local cache only; nothing downloads)
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+class UsageError(Exception):
+    """A bad argument: printed as one line, exit 2."""
+
+
+def model_arg(flag: str, value: str) -> str:
+    """``value`` must be a model directory (config.json) or a hub id already in the local cache."""
+    path = Path(value)
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise UsageError(f"{flag} {value} is not a model directory (no config.json); give the directory "
+                             "a model was saved to with save_pretrained")
+        return value
+    if _HUB_ID.match(value):
+        from huggingface_hub import try_to_load_from_cache
+
+        if isinstance(try_to_load_from_cache(value, "config.json"), str):
+            return value
+        raise UsageError(f"{flag} {value}: no such directory, and no hub model of that name in the local "
+                         "Hugging Face cache (draftadapt downloads nothing); give a model directory")
+    raise UsageError(f"{flag} {value} does not exist; give a model directory (with config.json)")
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text or type(exc).__name__
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -70,6 +103,23 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    # our own process: hub names resolve from the local cache, never over the network
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from draftadapt.config import ConfigError
+    from draftadapt.drafts.formats import DraftFormatError
+
+    try:
+        return _dispatch(args)
+    except (UsageError, ConfigError, DraftFormatError, OSError) as exc:
+        print(f"error: {_one_line(exc)}", file=sys.stderr)
+        return 2
+
+
+def _dispatch(args) -> int:
+    for flag in ("target", "draft", "source"):
+        value = getattr(args, flag, None)
+        if value is not None and args.command in ("draft", "eval", "sidecar"):
+            model_arg("--from" if flag == "source" else f"--{flag}", value)
     if args.command == "toy":
         from draftadapt.toy.build import build_cli
 

@@ -13,6 +13,12 @@ Crash safety (SIGKILL at any moment, then restart with the same command):
 - no half-written draft is ever visible and versions only grow (``DraftStore``: temp dir, fsync,
   rename, then ``LATEST``);
 - a malformed shard is moved to ``SPOOL/quarantine/`` with its reason and the loop goes on.
+
+Never a crash loop: a shard the adapter refuses (token ids outside the vocabulary, too long,
+hidden states of the wrong shape or non-finite), a shard whose round fails, and a policy
+checkpoint that does not fit or is not finite are quarantined with the reason; a shard is marked
+consumed only once its round ran. A restart trains on from the newest published draft and the
+trainer state beside it (docs/design.md, "Checks at the door").
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from pathlib import Path
 from draftadapt.adapter import AdapterConfig, DraftAdapter
 from draftadapt.config import ConfigError, load_config
 from draftadapt.spool import SpoolCursor, SpoolReader
+from draftadapt.spool.format import POLICY_DIR
 from draftadapt.data.store import DraftStore
 from draftadapt.fileio import atomic_write_json
 
@@ -76,7 +83,11 @@ class Sidecar:
                     except Exception as exc:  # noqa: BLE001 - a shard gone bad since: skip it, keep going
                         log.warning("sidecar: could not reload consumed shard %s: %s", ref.name, exc)
                         continue
-                    self._observe(shard)
+                    try:
+                        self._observe(shard)
+                    except ValueError as exc:
+                        log.warning("sidecar: consumed shard %s is refused now (%s); skipped", ref.name, exc)
+                        continue
                     rebuilt += 1
             log.info("sidecar: restored cursor of %d shards, %d re-read into the replay buffer", len(self.cursor), rebuilt)
         self._sync_policy()
@@ -90,33 +101,53 @@ class Sidecar:
             [(p, r) for p, r in zip(shard.prompt_ids, shard.response_ids)],
             policy_version=shard.policy_version,
             hidden_states=shard.aux_hidden,
+            source=shard.name,
         )
 
     def _sync_policy(self) -> bool:
-        ckpt = self.reader.latest_policy(newer_than=self.adapter.policy_version)
-        if ckpt is None:
-            return False
-        self.adapter.update_policy(ckpt.state_dict(), ckpt.version)
-        log.info("sidecar: policy now at version %d", ckpt.version)
-        return True
+        """Load the newest policy checkpoint that fits; one that does not is quarantined."""
+        while True:
+            ckpt = self.reader.latest_policy(newer_than=self.adapter.policy_version)
+            if ckpt is None:
+                return False
+            try:
+                self.adapter.update_policy(ckpt.state_dict(), ckpt.version)
+            except ValueError as exc:
+                self.reader.quarantine(ckpt.name, f"refused by the adapter: {exc}", kind=POLICY_DIR)
+                continue
+            log.info("sidecar: policy now at version %d", ckpt.version)
+            return True
 
     # ------------------------------------------------------------------ loop
 
     def run_once(self) -> int:
         """Poll once: new policy, new shards, maybe train and publish. Returns shards consumed."""
         self._sync_policy()
-        consumed = 0
+        taken: list[str] = []
         for shard in self.reader.poll(self.cursor):
-            self._observe(shard)
-            self.cursor.mark(shard.name)
-            consumed += 1
-        if consumed:
-            self._save()
+            try:
+                self._observe(shard)
+            except ValueError as exc:
+                self.reader.quarantine(shard.name, f"refused by the adapter: {exc}")
+                continue
+            taken.append(shard.name)
+        if not taken:
+            return 0
+        try:
             metrics = self.adapter.step()
-            self.logger.log_dict({**metrics, "spool/shards": float(consumed),
-                                  "replay/seqs": float(len(self.adapter.replay))},
-                                 step=self.adapter.policy_version)
-        return consumed
+        except Exception as exc:  # noqa: BLE001 - whatever a round raises, its shards go, the loop stays
+            log.exception("sidecar: a round on %s failed", taken)
+            for name in taken:
+                self.adapter.forget(name)
+                self.reader.quarantine(name, f"a round on it failed: {type(exc).__name__}: {exc}")
+            return 0
+        for name in taken:  # consumed only now that their round ran
+            self.cursor.mark(name)
+        self._save()
+        self.logger.log_dict({**metrics, "spool/shards": float(len(taken)),
+                              "replay/seqs": float(len(self.adapter.replay))},
+                             step=self.adapter.policy_version)
+        return len(taken)
 
     def run(self) -> int:
         idle_since = time.monotonic()

@@ -34,7 +34,7 @@ import math
 import random
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -202,6 +202,26 @@ class ReplayBuffer:
             self.evicted_seqs += 1
             self.evicted_tokens += item.num_tokens
             gone.add(item.uid)
+        return gone
+
+    def remove(self, where: Callable[[ReplayItem], bool]) -> int:
+        """Drop every item ``where(item)`` is true for (e.g. a shard that made a round fail); returns how many."""
+        gone = 0
+        for v in list(self._versions):
+            keep: deque[ReplayItem] = deque()
+            for it in self._by_version[v]:
+                if where(it):
+                    self._tokens -= it.num_tokens
+                    self._bytes -= it.nbytes
+                    gone += 1
+                else:
+                    keep.append(it)
+            if keep:
+                self._by_version[v] = keep
+            else:
+                del self._by_version[v]
+                self._versions.remove(v)
+                self._prompts.pop(v, None)
         return gone
 
     # ------------------------------------------------------------------ read

@@ -11,8 +11,11 @@
 
 Layout: ``OUT/v{version:06d}/`` holds ``config.json``, ``model.safetensors`` and the manifest
 ``draftadapt.json`` (``sha256`` of model.safetensors, ``version``, ``policy_version`` and
-whatever the exporter wrote: method, format, target fingerprint...). ``OUT/LATEST`` (JSON) names
-the newest version published; it is a hint for people and scripts, ``latest()`` reads the dirs.
+whatever the exporter wrote: method, format, target fingerprint...) and ``lineage``, the store's
+own id (``OUT/STORE``, made at its first publish): version numbers compare only within one
+lineage, so an engine refuses an older version of the lineage it serves but takes any version of
+another store (docs/design.md, "Swap refusals"). ``OUT/LATEST`` (JSON) names the newest version
+published; it is a hint for people and scripts, ``latest()`` reads the dirs.
 
 Crash safety: a version is written into ``OUT/.tmp-v.../``, every file and the directory are
 fsynced, then the directory is renamed to ``v{version:06d}`` (atomic), so a visible version dir
@@ -48,7 +51,8 @@ LATEST_FILE = "LATEST"
 LOCK_FILE = ".lock"
 VERSION_RE = re.compile(r"^v(\d{6,})$")
 _TEMP_PREFIXES = (".tmp-v", ".trash-v")
-RESERVED_META = ("version", "policy_version", "sha256")
+STORE_FILE = "STORE"
+RESERVED_META = ("version", "policy_version", "sha256", "lineage")
 
 
 def version_dir_name(version: int) -> str:
@@ -137,6 +141,7 @@ class DraftStore:
                 meta.update(
                     version=version,
                     policy_version=policy_version,
+                    lineage=self._lineage(),
                     sha256=file_sha256(weights),
                     published_unix=time.time(),
                 )
@@ -253,6 +258,19 @@ class DraftStore:
     def _next_version(self) -> int:
         top = max(self._dir_versions(), default=0)
         return max(top, self._read_latest()) + 1
+
+    def _lineage(self) -> str:
+        """This store's id (under the lock): read from ``OUT/STORE``, made on first use."""
+        path = self.out_dir / STORE_FILE
+        try:
+            lineage = json.loads(path.read_text())["lineage"]
+            if isinstance(lineage, str) and lineage:
+                return lineage
+        except (FileNotFoundError, json.JSONDecodeError, KeyError, TypeError):
+            pass
+        lineage = secrets.token_hex(8)
+        atomic_write_json(path, {"lineage": lineage})
+        return lineage
 
     def _read_latest(self) -> int:
         try:

@@ -26,12 +26,13 @@ import torch
 from draftadapt.drafts.formats import (
     META_FILE,
     WEIGHTS_FILE,
+    IDENTITY_FIELDS,
     DraftFormatError,
     check_draft_for_target,
     read_hf_config,
+    target_fingerprint,
     tokenizer_digest,
 )
-from draftadapt.fileio import file_sha256
 from draftadapt.metrics.acceptance import AcceptanceStats
 
 WORKER_EXT = "draftadapt.engine.worker_ext.DraftAdaptWorkerExtension"
@@ -223,6 +224,8 @@ class RolloutEngine:
         self.tokenizer = self.llm.get_tokenizer()
         self._draft_version = meta.get("version")
         self._draft_sha = meta.get("sha256")
+        self._newest_served: dict[str, int] = {}  # store lineage -> newest version served
+        self._served(meta)
         # The policy version the engine serves; drafts trained on a newer policy are never
         # swapped in (asynchronous RL). The caller sets it with update_policy(..., version=).
         self.policy_version = 0
@@ -292,7 +295,9 @@ class RolloutEngine:
         """{"checksum", "version"} of the draft that serves now, read back from the worker."""
         return self._rpc("da_draft_state")
 
-    def _validate_draft_file(self, draft_dir: Path) -> tuple[Path, str, int | None]:
+    def _validate_draft_file(self, draft_dir: Path, rollback: bool) -> tuple[Path, str, int | None, dict]:
+        """Everything about a published draft that can be checked without loading it; raises
+        :class:`DraftSwapError` naming the fix (docs/design.md, "Swap refusals")."""
         if self._draft_ref_shapes is None:
             raise DraftSwapError("this engine was started without a draft; nothing to swap")
         weights = draft_dir / WEIGHTS_FILE
@@ -303,9 +308,38 @@ class RolloutEngine:
             meta = json.loads(meta_path.read_text())
         except json.JSONDecodeError as exc:
             raise DraftSwapError(f"{meta_path} is corrupt ({exc}); not swapped") from None
+        if not isinstance(meta, dict):
+            raise DraftSwapError(f"{meta_path} is not a JSON object; not swapped")
         # The worker hashes the bytes it loads against this before touching the draft (one read
-        # and one hash per swap, of exactly what is loaded).
+        # and one hash per swap, of exactly what is loaded). Without it nothing would catch
+        # bytes changed after export.
         sha = meta.get("sha256")
+        if not isinstance(sha, str) or not sha:
+            raise DraftSwapError(
+                f"{meta_path} has no sha256 of {WEIGHTS_FILE}; not swapped. Publish drafts through "
+                "DraftStore.publish or export them with draftadapt (both write it)"
+            )
+        recorded = meta.get("target")
+        if not isinstance(recorded, dict):
+            raise DraftSwapError(
+                f"{meta_path} does not say which target it was built for; not swapped. Re-export it "
+                f"for {self.target} (`draftadapt draft init --target {self.target} --from DRAFT`)"
+            )
+        served = target_fingerprint(self.target)
+        differ = [k for k in IDENTITY_FIELDS if recorded.get(k) != served.get(k)]
+        if differ:
+            detail = ", ".join(f"{k}: draft {recorded.get(k)!r} vs serving {served.get(k)!r}" for k in differ)
+            raise DraftSwapError(
+                f"{draft_dir} was built for another target ({detail}); not swapped. Train or "
+                f"re-export a draft for {self.target}"
+            )
+        version, lineage = meta.get("version"), meta.get("lineage")
+        newest = self._newest_served.get(lineage) if lineage is not None else None
+        if not rollback and isinstance(version, int) and newest is not None and version < newest:
+            raise DraftSwapError(
+                f"{draft_dir} is version {version}, older than version {newest} of the same store that "
+                "this engine served; not swapped. Pass rollback=True to go back on purpose"
+            )
         shapes = _weight_shapes(weights)
         if shapes != self._draft_ref_shapes:
             missing = sorted(set(self._draft_ref_shapes) - set(shapes))
@@ -315,21 +349,31 @@ class RolloutEngine:
                 f"{weights} does not fit the serving draft (missing {missing[:4]}, unexpected {extra[:4]}, "
                 f"wrong shape {wrong[:4]}); a swap keeps the architecture, restart the engine to change it"
             )
-        return weights, sha, meta.get("version")
+        return weights, sha, version, meta
 
-    def swap_draft(self, draft_dir: str | Path) -> SwapResult:
+    def _served(self, meta: dict) -> None:
+        lineage, version = meta.get("lineage"), meta.get("version")
+        if lineage is not None and isinstance(version, int):
+            self._newest_served[lineage] = max(version, self._newest_served.get(lineage, version))
+
+    def swap_draft(self, draft_dir: str | Path, rollback: bool = False) -> SwapResult:
         """Load a published draft version into the running engine, in place, without a restart.
 
-        The file is checked (sha256 against its manifest, tensor names and shapes against the
-        serving draft) before anything in the engine is touched; a bad file raises
-        :class:`DraftSwapError` and the previous draft keeps serving.
+        Refused with :class:`DraftSwapError` before anything in the engine is touched, the
+        previous draft serving on: a manifest without sha256 or target, a draft built for another
+        target, an older version of a store whose newer version this engine served (unless
+        ``rollback``), tensor names or shapes that do not fit; in the worker, bytes that do not
+        match the sha256 and non-finite tensors. After a swap the prefix cache is dropped: its
+        blocks hold the previous draft's KV for cached prompts (docs/design.md, "Swap refusals").
         """
         t0 = time.perf_counter()
-        weights, sha, version = self._validate_draft_file(Path(draft_dir))
+        weights, sha, version, meta = self._validate_draft_file(Path(draft_dir), rollback)
         try:
             state = self._rpc("da_load_draft", str(weights), sha, version)
         except Exception as exc:
             raise DraftSwapError(f"the engine refused {weights}: {exc}; the previous draft keeps serving") from None
+        self.llm.reset_prefix_cache()
+        self._served(meta)
         self._live_checksum = state["checksum"]
         self._draft_version = version
         self._draft_sha = sha

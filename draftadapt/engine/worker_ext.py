@@ -134,6 +134,9 @@ class DraftAdaptWorkerExtension:
         if draft is None:
             raise RuntimeError("this engine was started without a draft; nothing to swap")
         weights = _read_checkpoint(path, sha256)
+        bad = [name for name, t in weights.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+        if bad:
+            raise ValueError(f"{path}: tensors {bad[:4]} hold NaN or Inf; a draft like that accepts nothing")
         shared = self._da_shared(draft)
         if shared:
             params = dict(draft.named_parameters())

@@ -325,6 +325,28 @@ class DraftTrainer:
         self.accelerator.wait_for_everyone()
         return path
 
+    def resume_state(self) -> dict[str, Any]:
+        """What a restart needs beside the published weights: optimizer moments, schedule, step
+        (tensors and plain containers only: read back with ``torch.load(weights_only=True)``)."""
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(), "step": self.step}
+
+    def load_resume_state(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step = int(state["step"])
+
+    def has_optimizer_state(self) -> bool:
+        return any(bool(s) for s in _torch_optimizer(self.optimizer).state.values())
+
+    def reset_to(self, module: nn.Module) -> None:
+        """Weights from ``module`` (a bare draft of the same shape), optimizer moments cleared."""
+        with torch.no_grad():
+            self.draft.load_state_dict(module.state_dict())
+        _torch_optimizer(self.optimizer).state.clear()  # AdamW starts its moments anew
+
+    def weights_finite(self) -> bool:
+        return all(bool(torch.isfinite(p).all()) for p in self.model.parameters())
+
     def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
         """Restore everything :meth:`save_checkpoint` wrote; returns its ``trainer_state.json``."""
         path = Path(path)
@@ -337,6 +359,11 @@ class DraftTrainer:
         self.accelerator.load_state(str(path))
         self.step = int(state["step"])
         return state
+
+
+def _torch_optimizer(opt) -> torch.optim.Optimizer:
+    """The torch optimizer inside accelerate's wrapper."""
+    return getattr(opt, "optimizer", opt)
 
 
 @torch.no_grad()

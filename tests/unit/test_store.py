@@ -32,7 +32,15 @@ def test_publish_writes_a_complete_version_with_its_manifest(tmp_path):
     assert json.loads((tmp_path / "LATEST").read_text()) == {"version": 1, "policy_version": 3, "dir": "v000001"}
     dv = store.latest()
     assert (dv.version, dv.policy_version, dv.path, dv.weights) == (1, 3, path, path / WEIGHTS_FILE)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "LATEST", "v000001"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "LATEST", "STORE", "v000001"]
+    # the store's lineage: the same in every version it publishes, another in another store
+    lineage = json.loads((tmp_path / "STORE").read_text())["lineage"]
+    assert meta["lineage"] == lineage and len(lineage) == 16
+    _, path2 = store.publish(writer(), 4)
+    assert json.loads((path2 / META_FILE).read_text())["lineage"] == lineage
+    other = DraftStore(tmp_path / "other")
+    _, path3 = other.publish(writer(), 0)
+    assert json.loads((path3 / META_FILE).read_text())["lineage"] != lineage
 
 
 def test_the_write_function_gets_the_version(tmp_path):
@@ -150,7 +158,7 @@ def test_open_cleans_leftovers_of_a_killed_publisher_and_repairs_latest(tmp_path
     ro = DraftStore(tmp_path, readonly=True)  # readers never touch anything
     assert half.exists() and ro.latest().version == 2
     DraftStore(tmp_path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "LATEST", "v000001", "v000002"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "LATEST", "STORE", "v000001", "v000002"]
     assert json.loads((tmp_path / "LATEST").read_text())["version"] == 2
     assert DraftStore(tmp_path).publish(writer(), 5)[0] == 3
 
