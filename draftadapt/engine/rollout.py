@@ -146,9 +146,11 @@ class RolloutEngine:
         threads: int | None = None,
         enforce_eager: bool = True,
         in_process: bool | None = None,
+        block_size: int | None = None,
     ):
         """``in_process`` runs vLLM's engine core and worker in this process (uni executor)
-        instead of two child processes; None = on CPU only. Measured on a 2-core CPU
+        instead of two child processes; None = on CPU only. ``block_size``: KV cache block in
+        tokens (None: vLLM's, 128 on CPU; a multiple of 32 there). Measured on a 2-core CPU
         (scripts/bench_engine.py, 32 and 64 prompts): 1.1-1.6x the tokens/s of the multiprocess
         engine without speculation and ~1.5x with it, because the engine core otherwise spins on one core
         waiting for the worker, which then gets the other core alone. ``threads`` is then this
@@ -206,6 +208,7 @@ class RolloutEngine:
                 disable_log_stats=False,
                 worker_extension_cls=WORKER_EXT,
                 distributed_executor_backend="uni" if in_process else "mp",
+                **({} if block_size is None else {"block_size": block_size}),
             )
         finally:
             for k, v in saved.items():

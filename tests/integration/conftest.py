@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import gc
+import os
+import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from draftadapt.engine.rollout import RolloutEngine
+from draftadapt.spool import SpoolWriter
+from draftadapt.toy.model import ToyModelConfig, build_model
+from draftadapt.toy.tokenizer import build_tokenizer
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def start_engine(target: Path, draft: Path | None = None, method: str = "eagle3", k: int = 3, **kw) -> RolloutEngine:
@@ -32,3 +41,57 @@ def toy_prompts(target: Path, n: int) -> list[str]:
     from draftadapt.toy.task import load_heldout
 
     return [p["prompt"] for p in load_heldout(target / "heldout.jsonl")[:n]]
+
+
+@pytest.fixture(scope="session")
+def trained_head(toy_target, tmp_path_factory) -> Path:
+    """An Eagle-3 head trained 12 steps on the toy task's own sequences (no engine needed): its
+    acceptance is well above an untrained head's, so a damaged swap shows."""
+    from transformers import AutoTokenizer
+
+    from draftadapt.config import load_config
+    from draftadapt.data.sequences import Sequence, save_sequences
+    from draftadapt.pretrain import PretrainConfig, pretrain
+    from draftadapt.toy.task import sample_problems
+
+    out = tmp_path_factory.mktemp("trained_head") / "eagle3"
+    tok = AutoTokenizer.from_pretrained(str(toy_target))
+
+    def seqs(n, seed):
+        return [Sequence(tok(p["prompt"]).input_ids, tok(p["response"], add_special_tokens=False).input_ids
+                         + [tok.eos_token_id]) for p in sample_problems(n, seed)]
+
+    save_sequences(out / "pretrain/data/heldout.jsonl", seqs(16, 1))
+    save_sequences(out / "pretrain/data/train.jsonl", seqs(128, 0))
+    cfg = load_config(PretrainConfig, REPO / "recipes/pretrain_eagle3_toy.yaml",
+                      [f"target={toy_target}", f"out={out}", "max_steps=12", "train.batch_size=16", "train.warmup_steps=2", "log=[jsonl]", "threads=1",
+                       "checkpoint_every=0"])
+    pretrain(cfg)
+    return out
+
+
+TINY = ToyModelConfig(num_layers=4, hidden_size=64, num_heads=2, num_kv_heads=2, intermediate_size=128)
+
+
+def tiny_target(path: Path) -> Path:
+    """An untrained 4-layer llama with the toy tokenizer: enough for the sidecar's control flow."""
+    model = build_model(TINY, seed=0)
+    model.save_pretrained(str(path))
+    build_tokenizer().save_pretrained(str(path))
+    return path
+
+
+def write_shard(writer: SpoolWriter, step: int, rng: random.Random, n: int = 12) -> Path:
+    prompts = [[1] + [rng.randrange(4, 28) for _ in range(5)] for _ in range(n)]
+    responses = [[rng.randrange(4, 28) for _ in range(rng.randrange(8, 20))] for _ in range(n)]
+    return writer.write_rollouts(step=step, policy_version=step, prompt_ids=prompts, response_ids=responses)
+
+
+def start_sidecar(spool, out, target, draft, log, *overrides: str) -> subprocess.Popen:
+    """`draftadapt sidecar` as a real process with small rounds (its output goes to ``log``)."""
+    cmd = [sys.executable, "-m", "draftadapt.cli", "sidecar", "--spool", str(spool), "--out", str(out),
+           "--target", str(target), "--draft", str(draft), "poll_s=0.2", "log=[jsonl]",
+           "adapter.schedule.train_steps=2", "adapter.batch_size=8", "adapter.schedule.min_sequences=8",
+           "adapter.train.threads=1", *overrides]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)

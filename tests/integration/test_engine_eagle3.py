@@ -73,6 +73,17 @@ def test_swap_changes_live_checksum_and_is_exact(engine, drafts):
     assert back.version == 0
 
 
+def resign(draft, **changes) -> None:
+    """Rewrite the manifest so its sha256 matches the (changed) weights: only the content is bad."""
+    import json
+
+    from draftadapt.fileio import file_sha256
+
+    meta = {**json.loads((draft / META_FILE).read_text()), **changes}
+    meta["sha256"] = file_sha256(draft / WEIGHTS_FILE)
+    (draft / META_FILE).write_text(json.dumps(meta))
+
+
 def test_bad_files_change_nothing(engine, drafts, toy_target, tmp_path):
     live = engine.draft_state()["checksum"]
     # 1a. truncated weights: the header no longer covers the file
@@ -92,11 +103,11 @@ def test_bad_files_change_nothing(engine, drafts, toy_target, tmp_path):
     (flipped / WEIGHTS_FILE).write_bytes(bytes(data))
     with pytest.raises(DraftSwapError, match="sha256 does not match"):
         engine.swap_draft(flipped)
-    # 2. corrupt bytes with a manifest that agrees (no sha256): the header does not parse
+    # 2. corrupt bytes with a manifest that agrees (sha256 of the garbage): the header does not parse
     garbage = tmp_path / "garbage"
     shutil.copytree(drafts["v1"], garbage)
     (garbage / WEIGHTS_FILE).write_bytes(b"\x00\x01not safetensors" * 64)
-    (garbage / META_FILE).write_text('{"version": 9}')
+    resign(garbage, version=9)
     with pytest.raises(DraftSwapError, match="safetensors"):
         engine.swap_draft(garbage)
     # 3. a draft of another shape (other draft vocabulary)
@@ -111,7 +122,7 @@ def test_bad_files_change_nothing(engine, drafts, toy_target, tmp_path):
     sd = load_file(str(own / WEIGHTS_FILE))
     sd["embed_tokens.weight"] = torch.zeros(64, 256)
     save_file(sd, str(own / WEIGHTS_FILE))
-    (own / META_FILE).write_text('{"version": 5}')
+    resign(own, version=5)
     with pytest.raises(DraftSwapError, match="embed_tokens"):
         engine.swap_draft(own)
     # 5. missing manifest

@@ -1,7 +1,7 @@
 """`draftadapt eval`: one JSON object with measured (vLLM) and simulated acceptance and speed.
 
-The draft is a quickly trained Eagle-3 head (pretrain in-process on pre-written toy sequences, so
-no regeneration engine is needed); the eval CLI then starts the engine with and without it.
+The draft is the quickly trained Eagle-3 head of tests/integration/conftest.py; the eval CLI
+then starts the engine with and without it.
 """
 
 from __future__ import annotations
@@ -19,31 +19,6 @@ pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
 KEYS = {"acceptance_length_measured", "acceptance_length_simulated", "per_position_acceptance",
         "tokens_per_s_spec", "tokens_per_s_plain", "speedup"}
-
-
-@pytest.fixture(scope="module")
-def trained_head(toy_target, tmp_path_factory) -> Path:
-    from transformers import AutoTokenizer
-
-    from draftadapt.config import load_config
-    from draftadapt.data.sequences import Sequence, save_sequences
-    from draftadapt.pretrain import PretrainConfig, pretrain
-    from draftadapt.toy.task import sample_problems
-
-    out = tmp_path_factory.mktemp("eval") / "eagle3"
-    tok = AutoTokenizer.from_pretrained(str(toy_target))
-
-    def seqs(n, seed):
-        return [Sequence(tok(p["prompt"]).input_ids, tok(p["response"], add_special_tokens=False).input_ids
-                         + [tok.eos_token_id]) for p in sample_problems(n, seed)]
-
-    save_sequences(out / "pretrain/data/heldout.jsonl", seqs(16, 1))
-    save_sequences(out / "pretrain/data/train.jsonl", seqs(128, 0))
-    cfg = load_config(PretrainConfig, REPO / "recipes/pretrain_eagle3_toy.yaml",
-                      [f"target={toy_target}", f"out={out}", "max_steps=12", "train.batch_size=16", "train.warmup_steps=2", "log=[jsonl]", "threads=1",
-                       "checkpoint_every=0"])
-    pretrain(cfg)
-    return out
 
 
 def test_eval_prints_one_json_object_with_the_keys(trained_head, toy_target):

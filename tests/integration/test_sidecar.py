@@ -4,11 +4,8 @@ rollout, never exposes a half-written draft, only grows versions, and sets malfo
 from __future__ import annotations
 
 import json
-import os
 import random
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,34 +15,11 @@ from draftadapt.data.store import DraftStore
 from draftadapt.drafts.init import init_draft
 from draftadapt.fileio import file_sha256
 from draftadapt.spool import SpoolCursor, SpoolReader, SpoolWriter
-from draftadapt.toy.model import ToyModelConfig, build_model
-from draftadapt.toy.tokenizer import build_tokenizer
+from draftadapt.toy.model import build_model
+
+from .conftest import TINY, start_sidecar, tiny_target, write_shard
 
 pytestmark = pytest.mark.integration
-REPO = Path(__file__).resolve().parents[2]
-
-
-def tiny_target(path: Path) -> Path:
-    model = build_model(ToyModelConfig(num_layers=4, hidden_size=64, num_heads=2, num_kv_heads=2,
-                                       intermediate_size=128), seed=0)
-    model.save_pretrained(str(path))
-    build_tokenizer().save_pretrained(str(path))
-    return path
-
-
-def write_shard(writer: SpoolWriter, step: int, rng: random.Random, n: int = 12) -> Path:
-    prompts = [[1] + [rng.randrange(4, 28) for _ in range(5)] for _ in range(n)]
-    responses = [[rng.randrange(4, 28) for _ in range(rng.randrange(8, 20))] for _ in range(n)]
-    return writer.write_rollouts(step=step, policy_version=step, prompt_ids=prompts, response_ids=responses)
-
-
-def start(spool, out, target, draft, log) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "draftadapt.cli", "sidecar", "--spool", str(spool), "--out", str(out),
-           "--target", str(target), "--draft", str(draft), "poll_s=0.2", "log=[jsonl]",
-           "adapter.schedule.train_steps=2", "adapter.batch_size=8", "adapter.schedule.min_sequences=8",
-           "adapter.train.threads=1"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
 
 
 def check_store(out: Path, seen: list[int]) -> list[int]:
@@ -87,8 +61,7 @@ def test_sigkill_loses_nothing_and_quarantines_bad_shards(tmp_path):
     bad_name = bad.stem
 
     # the policy moves on: the sidecar must pick up the checkpoint
-    moved = {k: v + 0.01 for k, v in build_model(ToyModelConfig(num_layers=4, hidden_size=64, num_heads=2,
-                                                                 num_kv_heads=2, intermediate_size=128), seed=0)
+    moved = {k: v + 0.01 for k, v in build_model(TINY, seed=0)
              .state_dict().items()}
     writer.write_policy(1, moved)
 
@@ -97,7 +70,7 @@ def test_sigkill_loses_nothing_and_quarantines_bad_shards(tmp_path):
     kills = 0
     kill_rng = random.Random(1)
     for round_ in range(4):
-        proc = start(spool, out, target, draft, log)
+        proc = start_sidecar(spool, out, target, draft, log)
         time.sleep(kill_rng.uniform(4.0, 12.0))
         produce(2)
         time.sleep(kill_rng.uniform(0.5, 3.0))
@@ -109,7 +82,7 @@ def test_sigkill_loses_nothing_and_quarantines_bad_shards(tmp_path):
     assert kills >= 3
 
     writer.finish()
-    proc = start(spool, out, target, draft, log)
+    proc = start_sidecar(spool, out, target, draft, log)
     rc = proc.wait(timeout=600)
     log.close()
     assert rc == 0, (tmp_path / "sidecar.log").read_text()[-3000:]
