@@ -220,10 +220,13 @@ class DraftAdapter:
         self.cfg.validate()
         self.policy_dir = Path(policy_dir)
         self.logger = logger
-        self.policy = _load_policy(self.policy_dir)
+        # Building modules draws from torch's global RNG before their weights are loaded; the
+        # host's RNG stream must not notice (docs/design.md, "TRL integration").
+        with torch.random.fork_rng(devices=[]):
+            self.policy = _load_policy(self.policy_dir)
+            draft, self.format = _load_draft(Path(draft_dir), self.policy_dir, self.cfg.method)
         self.policy.eval()
         self.policy_version = policy_version
-        draft, self.format = _load_draft(Path(draft_dir), self.policy_dir, self.cfg.method)
         pad = self.policy.config.pad_token_id
         self.pad_id = 0 if pad is None else int(pad)
         self.trainer = DraftTrainer(draft, self.cfg.method, self.cfg.train, pad_id=self.pad_id)
@@ -248,7 +251,8 @@ class DraftAdapter:
             # the starting draft is version 0 of this run: what the engine serves before any swap
             self._live = self._publish_module(self.trainer.export_draft(), policy_version)[1]
         else:
-            self._live = _load_draft(latest.path, self.policy_dir, self.cfg.method)[0].eval()
+            with torch.random.fork_rng(devices=[]):
+                self._live = _load_draft(latest.path, self.policy_dir, self.cfg.method)[0].eval()
 
     # ------------------------------------------------------------------ inputs
 

@@ -55,7 +55,10 @@ class TRLToyConfig:
     style: str = "verbose"  # the demo's reward: correct answer + style_bonus for this style
     style_bonus: float = 1.0
     k: int = 3
-    engine_threads: int = 2
+    # torch threads of this process (trainer and in-process engine). 1, not 2: on a 2-core machine
+    # shared with anything else, two OpenMP threads on one free core wait on each other at every
+    # barrier (seen here: a 64-rollout step took 150 s instead of seconds).
+    engine_threads: int = 1
     eval_prompts: int = 32  # held-out prompts both drafts are measured on after every step
     eval_seed: int = 1234
     # Steps TRL runs without draftadapt, for its step time: with its own generation, and with
@@ -110,6 +113,7 @@ def make_trainer(cfg: TRLToyConfig, toy: Path, out_dir: Path, steps: int, rollou
         learning_rate=cfg.lr, lr_scheduler_type="constant_with_warmup", warmup_steps=cfg.warmup_steps,
         adam_beta2=0.99, max_grad_norm=1.0, beta=cfg.beta, loss_type="grpo",
         logging_steps=1, report_to=["tensorboard"], save_strategy="no", disable_tqdm=True,
+        log_level="warning",
     )
     model = AutoModelForCausalLM.from_pretrained(str(toy), dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(str(toy))
@@ -153,11 +157,16 @@ def make_arms_callback(rollouts, draft0: Path, prompts: list[str], cfg: TRLToyCo
             else:
                 arms["adapted"].append(measure(engine, prompts, cfg))
                 arms["frozen"].append(frozen())
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if not logs or "loss" not in logs or not arms["adapted"]:
+                return
             f, a = arms["frozen"][-1], arms["adapted"][-1]
-            row = rollouts.history[-1] if rollouts.history else {}
-            print(f"[trl] step {state.global_step:3d} | accept frozen {f['acceptance_length']:.2f} adapted "
-                  f"{a['acceptance_length']:.2f} | RL batch {row.get('accept/length', float('nan')):.2f} | "
-                  f"draft v{int(row.get('draft/version', 0))}", flush=True)
+            print(f"[trl] step {state.global_step:3d}/{args.max_steps} reward {logs.get('reward', 0):.3f} "
+                  f"style {logs.get('rewards/style/mean', 0):.2f} | accept frozen {f['acceptance_length']:.2f} "
+                  f"adapted {a['acceptance_length']:.2f} (RL batch {logs.get('accept/length', float('nan')):.2f}) | "
+                  f"TRL step {logs.get('step_time', 0):.1f} s, adapt {logs.get('stage/adapt_s', 0):.1f} s | "
+                  f"draft v{int(logs.get('draft/version', 0))}", flush=True)
 
     return Arms()
 
