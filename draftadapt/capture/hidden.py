@@ -155,26 +155,41 @@ class HandOver:
         self._hooks.__exit__(*exc)
 
     @torch.no_grad()
-    def add(self, index: Sequence[int], logits: torch.Tensor, attention_mask: torch.Tensor) -> None:
+    def add(self, index: Sequence[int], logits: torch.Tensor, attention_mask: torch.Tensor,
+            rows: Sequence[int] | None = None) -> None:
         """Keep rows ``index`` (rollout positions) of the forward that just produced ``logits``.
 
-        logits: [B, T, Vt]; attention_mask: [B, T], right padded. Detached; the trainer's
-        graph is not touched."""
+        logits: [B, T, Vt]; attention_mask: [B, T], each row's tokens one contiguous run (right
+        padded as ``collate`` does, or left padded prompts followed by right padded completions as
+        TRL does). ``rows``: which batch rows ``index`` refers to (default: all, in order; a row
+        may be named twice when two rollouts are the same tokens). Detached; the trainer's graph
+        is not touched."""
         t0 = time.perf_counter()
         index = list(index)
-        if logits.shape[0] != len(index) or attention_mask.shape[:2] != logits.shape[:2]:
-            raise ValueError(f"hand-over: {len(index)} rollout indices for logits {tuple(logits.shape)} "
-                             f"and attention mask {tuple(attention_mask.shape)}; pass one index per row")
+        rows = list(range(logits.shape[0])) if rows is None else list(rows)
+        if len(rows) != len(index) or attention_mask.shape[:2] != logits.shape[:2]:
+            raise ValueError(f"hand-over: {len(index)} rollout indices for rows {rows[:8]} of logits "
+                             f"{tuple(logits.shape)} and attention mask {tuple(attention_mask.shape)}; "
+                             "pass one index per row")
         aux = self._hooks.aux()
-        lengths = attention_mask.sum(-1).tolist()
+        mask = attention_mask.bool()
+        lengths = mask.sum(-1).tolist()
+        starts = mask.int().argmax(-1).tolist()  # first token of each row (0 when right padded)
         logp = restricted_logp(logits.detach(), self.temperature, self.draft_to_target)
-        for r, (i, n) in enumerate(zip(index, lengths)):
-            row = {"target_logp": logp[r, :n].clone()}
+        for i, r in zip(index, rows):
+            lo, hi = starts[r], starts[r] + lengths[r]
+            row = {"target_logp": logp[r, lo:hi].clone()}
             if aux is not None:
-                row["aux_hidden"] = aux[r, :n].to(self.aux_dtype, copy=True)
+                row["aux_hidden"] = aux[r, lo:hi].to(self.aux_dtype, copy=True)
             self.rows[int(i)] = row
         self._hooks.grabbed.clear()
         self.seconds += time.perf_counter() - t0
+
+    def keep(self, indices: Sequence[int]) -> "HandOver":
+        """Keep only rollouts ``indices``, renumbered 0..len-1 in that order (to observe a subset
+        of a step's rollouts, e.g. those a trainer's forward covered). Returns self."""
+        self.rows = {j: self.rows[int(i)] for j, i in enumerate(indices)}
+        return self
 
     def tensors(self, n: int) -> list[dict[str, torch.Tensor]]:
         """Per rollout 0..n-1, in order; every one must have been added."""

@@ -155,6 +155,13 @@ class RolloutEngine:
         engine without speculation and ~1.5x with it, because the engine core otherwise spins on one core
         waiting for the worker, which then gets the other core alone. ``threads`` is then this
         process's torch thread count while the engine runs (None: vLLM's choice)."""
+        # vLLM's import and start-up seed and draw from the global python, numpy and torch RNGs:
+        # the host's streams continue as if no engine had started (requests use their own seeds).
+        import random
+
+        import numpy as np
+
+        rng_before = (random.getstate(), np.random.get_state(), torch.get_rng_state())
         self.target = Path(target)
         self.method = method if draft is not None else None
         self.k = num_speculative_tokens if draft is not None else 0
@@ -175,15 +182,19 @@ class RolloutEngine:
             self.draft_dir = Path(draft)
             self._draft_ref_shapes = _weight_shapes(self.draft_dir / WEIGHTS_FILE)
 
-        # The CPU backend reserves ~92% of RAM for the first engine unless told (docs/design.md,
-        # "Starting engines").
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gib)))  # whole GiB
         if in_process is None:
             in_process = _on_cpu()
+        # Set only while the engine starts (its processes and the in-process worker read them
+        # then), and put back: the host process's environment is not ours (docs/design.md, "TRL
+        # integration").
         env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0" if in_process else "1"}
+        # The CPU backend reserves ~92% of RAM for the first engine unless told (docs/design.md,
+        # "Starting engines"); a value the caller set wins.
+        env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gib)))  # GiB
         if threads is not None:
             env["OMP_NUM_THREADS"] = str(threads)
-        saved = {k: os.environ.get(k) for k in env}
+        saved = dict(os.environ)  # vLLM's in-process start-up sets more of its own; all are put back
+        threads_before = torch.get_num_threads()
         os.environ.update(env)
         from vllm import LLM, envs
 
@@ -211,14 +222,13 @@ class RolloutEngine:
                 **({} if block_size is None else {"block_size": block_size}),
             )
         finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+            for k in set(os.environ) - set(saved):
+                del os.environ[k]
+            os.environ.update(saved)
             envs.disable_envs_cache()
-        if in_process and threads is not None:
-            torch.set_num_threads(threads)
+        # vLLM lowers this process's torch threads to 1 when its worker starts here: the count is
+        # the caller's explicit ``threads`` for an in-process engine, else what it was before.
+        torch.set_num_threads(threads if in_process and threads is not None else threads_before)
         self.in_process = in_process
         if in_process:
             _LIVE_IN_PROCESS.add(self)
@@ -238,6 +248,9 @@ class RolloutEngine:
             self._live_checksum = state["checksum"]
         else:
             self._live_checksum = None
+        random.setstate(rng_before[0])
+        np.random.set_state(rng_before[1])
+        torch.set_rng_state(rng_before[2])
 
     # ------------------------------------------------------------------ generation
 

@@ -14,6 +14,7 @@ batches; metrics are reduced as sums and counts.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -90,7 +91,16 @@ def make_accelerator(cfg: TrainConfig):
         accelerator = Accelerator(cpu=False, deepspeed_plugin=plugin)
         _fix_cpu_deepspeed_ranks()
         return accelerator
-    return Accelerator(cpu=not torch.cuda.is_available())
+    from accelerate.state import GradientState
+
+    # accelerate's states are process-wide singletons. A second Accelerator() in a process where
+    # an RL trainer already made one (TRL, gradient_accumulation_steps=4) resets the shared
+    # gradient-accumulation steps to its own 1; put the host's back (our steps never accumulate).
+    host = GradientState._shared_state.get("plugin_kwargs")
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    if host is not None:
+        GradientState._shared_state["plugin_kwargs"] = host
+    return accelerator
 
 
 def _fix_cpu_deepspeed_ranks() -> None:
@@ -130,6 +140,20 @@ def _deepspeed_dict(cfg: TrainConfig) -> dict[str, Any]:
     return ds
 
 
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """torch's intra-op thread count is process-wide: ``n`` (> 0) for this block, then put back."""
+    if not n:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def lr_lambda(cfg: TrainConfig, total_steps: int | None):
     def f(step: int) -> float:
         if step < cfg.warmup_steps:
@@ -146,14 +170,16 @@ class DraftTrainer:
 
     def __init__(self, draft: nn.Module, method: str, cfg: TrainConfig, total_steps: int | None = None,
                  accelerator=None, pad_id: int = 0):
-        if cfg.threads:
-            torch.set_num_threads(cfg.threads)
+        # Nothing here changes process-wide state of a host RL framework (docs/design.md, "TRL
+        # integration"): cfg.threads applies inside this trainer's own steps only, the seed to a
+        # forked RNG, and an accelerate state someone else set up is reused as it is.
         self.cfg = cfg
         self.method = method
         self.accelerator = accelerator or make_accelerator(cfg)
         self.is_deepspeed = self.accelerator.state.deepspeed_plugin is not None
-        torch.manual_seed(cfg.seed)
-        module = wrap_draft(draft, method, cfg.ttt_steps, cfg.ttt_feed, pad_id)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.seed)
+            module = wrap_draft(draft, method, cfg.ttt_steps, cfg.ttt_feed, pad_id)
         module.train()
         decay, no_decay = [], []
         for name, p in module.named_parameters():
@@ -234,6 +260,10 @@ class DraftTrainer:
         ``train/grad_norm``, ``train/tokens`` (summed over ranks), ``accept/simulated_length``
         and ``accept/pos_i`` (simulated on this batch over every drafting start).
         """
+        with torch_threads(self.cfg.threads):
+            return self._train_step(batch)
+
+    def _train_step(self, batch: CapturedBatch) -> dict[str, float]:
         batch = batch.to(self.device)
         self.model.train()
         loss, parts, steps = self._loss(batch)

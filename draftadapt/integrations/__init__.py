@@ -1,0 +1,1 @@
+"""Adapters to other RL frameworks (each imports its framework lazily)."""

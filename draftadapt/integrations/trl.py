@@ -1,0 +1,280 @@
+"""draftadapt inside TRL's GRPOTrainer: speculative rollouts from our vLLM engine, and a draft
+kept aligned with the policy while TRL trains it. What a TRL GRPO script adds:
+
+    from draftadapt.integrations.trl import SpeculativeRollouts
+    rollouts = SpeculativeRollouts(policy_dir, draft_dir, out_dir="runs/drafts")
+    trainer = GRPOTrainer(model=policy_dir, reward_funcs=..., train_dataset=...,
+                          args=GRPOConfig(..., use_vllm=False), rollout_func=rollouts)
+    trainer.train()
+    rollouts.close()
+
+TRL 1.16 calls ``rollout_func(prompts, trainer)`` once per generation batch, with each prompt
+already repeated ``num_generations`` times (one completion is returned per prompt received), and
+starts no engine of its own with ``use_vllm=False``. On its first call this object attaches
+itself to the trainer (:meth:`SpeculativeRollouts.attach`):
+
+- sampling follows the trainer: ``temperature``, ``top_p``, ``max_completion_length``; settings
+  the engine does not apply (top_k, min_p, repetition_penalty, generation_kwargs) are refused;
+- after every optimizer step (a ``TrainerCallback``'s ``on_step_end``) the trainer's weights are
+  loaded into the engine in place, the adapter observes the batch TRL just trained on and runs
+  its round (train, validate, publish), and a better draft is swapped in;
+- the adapter's targets come from TRL's own forward (docs/design.md, "TRL integration"): forward
+  hooks on the aux layers and on the decoder's output; TRL computes its log-probs without
+  materialising logits, so the adapter projects the final hidden states through the LM head
+  (one [tokens, H] x [H, V] product, no second pass of the decoder);
+- acceptance length, per-position acceptance, draft version, swap ms and the adapter's time go
+  into the trainer's logs (``report_to="tensorboard"`` shows them), summed over each logging
+  window and divided once.
+
+``draft_dir=None`` serves the policy without speculation and without an adapter (the baseline
+a user has with vLLM rollouts alone).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from draftadapt.config import ConfigError
+from draftadapt.metrics.acceptance import AcceptanceStats
+
+
+def _unwrap(trainer):
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+class SpeculativeRollouts:
+    """A TRL ``rollout_func`` backed by :class:`~draftadapt.engine.rollout.RolloutEngine`, with
+    :class:`~draftadapt.adapter.DraftAdapter` keeping the draft aligned (see the module docstring).
+
+    policy_dir: the HF model directory TRL's policy starts from (the engine serves it, the adapter
+    loads its own copy); draft_dir: an Eagle-3 head or draft LM for it (None: no speculation);
+    out_dir: where the adapter publishes draft versions; adapter_cfg: the adapter's settings (its
+    temperature and k are set from the trainer and ``k``); engine_kwargs: more RolloutEngine
+    arguments (max_model_len, max_num_seqs, kv_cache_gib, threads, ...).
+    """
+
+    def __init__(self, policy_dir: str | Path, draft_dir: str | Path | None, out_dir: str | Path = "runs/drafts",
+                 adapter_cfg=None, method: str = "eagle3", k: int = 3, adapt: bool = True,
+                 engine_kwargs: dict[str, Any] | None = None):
+        from draftadapt.engine.rollout import RolloutEngine
+
+        self.policy_dir = Path(policy_dir)
+        self.draft_dir = None if draft_dir is None else Path(draft_dir)
+        self.out_dir = Path(out_dir)
+        self.method, self.k = method, k
+        self.adapt = adapt and draft_dir is not None
+        self._adapter_cfg = adapter_cfg
+        self.engine = RolloutEngine(self.policy_dir, self.draft_dir, method=method, num_speculative_tokens=k,
+                                    **(engine_kwargs or {}))
+        self.adapter = None
+        self.trainer = None
+        self._hooks: list = []
+        self._handover = None  # the hand-over of the batch being trained on
+        self._batch: list | None = None  # its rollouts, and their token sequences -> rollout indices
+        self._keys: dict[tuple[int, ...], list[int]] = {}
+        self._batch_version = 0
+        self._synced_step: int | None = None
+        self._rng = random.Random(0)
+        self._window = _Window()
+        self.history: list[dict[str, float]] = []  # one row per optimizer step (what was logged)
+
+    # ------------------------------------------------------------------ TRL's entry point
+
+    def __call__(self, prompts: list, trainer) -> dict[str, list]:
+        self.attach(trainer)
+        if self._synced_step != trainer.state.global_step:  # also without the callback's step end
+            self._sync(trainer)
+        texts = [self._as_text(p, trainer) for p in prompts]
+        t0 = time.perf_counter()
+        res = self.engine.generate(
+            texts, temperature=trainer.temperature, top_p=trainer.top_p, max_tokens=trainer.max_completion_length,
+            seed=self._rng.randrange(1 << 30), logprobs=True)
+        self._window.gen_s += time.perf_counter() - t0
+        self._window.spec = self._window.spec + res.spec
+        self._window.tokens += res.num_tokens
+        if self.adapter is not None and res.spec.drafts:
+            self.adapter.report_measured(res.spec.length)  # the live draft, measured on the RL batch
+        self._start_batch(res.rollouts, trainer.state.global_step)
+        return {"prompt_ids": [r.prompt_token_ids for r in res.rollouts],
+                "completion_ids": [r.token_ids for r in res.rollouts],
+                "logprobs": [r.logprobs for r in res.rollouts]}
+
+    def attach(self, trainer) -> None:
+        """Check the trainer's settings, start the adapter, hook the policy, add the callback.
+        Idempotent; called by the first rollout."""
+        if self.trainer is trainer:
+            return
+        if self.trainer is not None:
+            raise RuntimeError("this SpeculativeRollouts is attached to another trainer; make one per trainer")
+        args = trainer.args
+        if getattr(args, "use_vllm", False):
+            raise ConfigError("GRPOConfig(use_vllm=True) starts TRL's own vLLM engine; pass use_vllm=False "
+                              "with rollout_func=SpeculativeRollouts(...)")
+        unsupported = {"top_k": (args.top_k, (0, -1, None)), "min_p": (args.min_p, (None, 0.0)),
+                       "repetition_penalty": (args.repetition_penalty, (1.0,)),
+                       "generation_kwargs": (args.generation_kwargs, (None, {}))}
+        bad = {k: v for k, (v, ok) in unsupported.items() if v not in ok}
+        if bad:
+            raise ConfigError(f"GRPOConfig sets {bad}, which draftadapt's engine does not apply; it samples with "
+                              "temperature, top_p and max_completion_length only: leave these at their defaults")
+        self.trainer = trainer
+        self._rng = random.Random(args.seed)
+        if self.adapt:
+            from draftadapt.adapter import AdapterConfig, DraftAdapter
+
+            cfg = replace(self._adapter_cfg or AdapterConfig(), method=self.method, k=self.k,
+                          temperature=float(trainer.temperature))
+            self.adapter = DraftAdapter(self.policy_dir, self.draft_dir, self.out_dir, cfg)
+            self._hook_policy(_unwrap(trainer))
+        # First in line: on_log must add our numbers before TensorBoard's callback writes the row.
+        trainer.callback_handler.callbacks.insert(0, _Callback(self))
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        if self._handover is not None:
+            self._handover.__exit__(None, None, None)
+            self._handover = None
+        self.engine.close()
+
+    # ------------------------------------------------------------------ the step boundary
+
+    def _sync(self, trainer) -> None:
+        """New weights into the engine; the adapter learns from the batch just trained on."""
+        step = trainer.state.global_step
+        t0 = time.perf_counter()
+        weights = {k: v.detach() for k, v in _unwrap(trainer).state_dict().items()}
+        self.engine.update_policy(weights, version=step)
+        self._window.sync_s += time.perf_counter() - t0
+        self._synced_step = step
+        if self.adapter is None or self._batch is None:
+            return
+        t0 = time.perf_counter()
+        a = self.adapter
+        self._window.add("draft/integrity_ok", float(a.check_integrity(self.engine)))
+        ho, self._handover = self._handover, None
+        ho.__exit__(None, None, None)
+        kept = sorted(ho.rows)  # rollouts TRL's forward covered (a masked-out one is not)
+        self._window.add("adapt/handover_missed", float(len(self._batch) - len(kept)))
+        if kept:
+            a.observe([self._batch[i] for i in kept], policy_version=self._batch_version, handover=ho.keep(kept))
+        self._batch, self._keys = None, {}
+        a.update_policy(weights, version=step)
+        for name, v in a.step().items():
+            if name.startswith(("adapt/", "train/", "accept/simulated")):
+                self._window.add(name, v)
+        swap = a.swap(self.engine)
+        if swap is not None:
+            self._window.swaps.append(swap.ms)
+        self._window.adapt_s += time.perf_counter() - t0 + ho.seconds
+
+    def _start_batch(self, rollouts: list, version: int) -> None:
+        """Hand-over for this generation batch: TRL's next forwards over it feed the adapter."""
+        if self.adapter is None:
+            return
+        if self._handover is not None:  # generated again with no step between (e.g. an eval pass)
+            self._handover.__exit__(None, None, None)
+        self._batch, self._batch_version = rollouts, version
+        self._keys = {}
+        for i, r in enumerate(rollouts):
+            self._keys.setdefault((*r.prompt_token_ids, *r.token_ids), []).append(i)
+        self._handover = self.adapter.handover(_unwrap(self.trainer)).__enter__()
+
+    def _hook_policy(self, model) -> None:
+        """A hook on the decoder's output (input ids, mask, final hidden states): every forward of
+        the policy over a rollout of the current batch hands that rollout's states over, once."""
+        decoder = model.get_decoder()
+        head = model.get_output_embeddings()
+        cfg = model.config.get_text_config()
+        if getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None) not in (None, 1, 1.0):
+            raise ConfigError(f"{type(model).__name__} scales or caps its logits; the hand-over projects hidden "
+                              "states through the LM head only. Use SpeculativeRollouts(adapt=False) with it")
+
+        def hook(_module, _args, kwargs, output):
+            ho = self._handover
+            ids, mask = kwargs.get("input_ids"), kwargs.get("attention_mask")
+            if ho is None or ids is None or mask is None:
+                return
+            index, rows = [], []
+            for r in range(ids.shape[0]):
+                for i in self._keys.get(tuple(ids[r][mask[r].bool()].tolist()), ()):
+                    if i not in ho.rows:
+                        index.append(i)
+                        rows.append(r)
+            if not rows:  # a forward over rollouts already handed over (or not ours)
+                return
+            with torch.no_grad():
+                logits = head(output.last_hidden_state.detach().to(head.weight.dtype))
+            ho.add(index, logits, mask, rows=rows)
+
+        self._hooks.append(decoder.register_forward_hook(hook, with_kwargs=True))
+
+    @staticmethod
+    def _as_text(prompt, trainer) -> str:
+        if isinstance(prompt, str):
+            return prompt
+        # conversational: the trainer's own chat template, as TRL renders it for its generation
+        return trainer.processing_class.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True,
+                                                            **(trainer.chat_template_kwargs or {}))
+
+    # ------------------------------------------------------------------ metrics
+
+    def _log_row(self, step: int) -> dict[str, float]:
+        """The window's metrics (sums divided once), then a fresh window."""
+        w, self._window = self._window, _Window()
+        row: dict[str, float] = {"stage/gen_s": w.gen_s, "stage/sync_s": w.sync_s, "stage/adapt_s": w.adapt_s}
+        if w.spec.drafts:
+            row["accept/length"] = w.spec.length
+            row.update({f"accept/pos_{i}": r for i, r in enumerate(w.spec.per_position)})
+        if self.engine.draft_version is not None:
+            row["draft/version"] = float(self.engine.draft_version)
+        if w.swaps:
+            row["swap/ms"] = sum(w.swaps) / len(w.swaps)
+            row["swap/count"] = float(len(w.swaps))
+        row.update(w.sums)
+        self.history.append({"step": float(step), **row})
+        return row
+
+
+class _Window:
+    """What happened since the last log line: counts and seconds, summed."""
+
+    def __init__(self):
+        self.spec = AcceptanceStats()
+        self.tokens = 0
+        self.gen_s = self.sync_s = self.adapt_s = 0.0
+        self.swaps: list[float] = []
+        self.sums: dict[str, float] = {}
+
+    def add(self, name: str, value: float) -> None:
+        self.sums[name] = self.sums.get(name, 0.0) + float(value)
+
+
+def _callback_base():
+    from transformers import TrainerCallback
+
+    return TrainerCallback
+
+
+class _Callback(_callback_base()):
+    """Step end: weights to the engine, the adapter's round, the swap. Log: our metrics join the row."""
+
+    def __init__(self, rollouts: SpeculativeRollouts):
+        self.rollouts = rollouts
+
+    def on_step_end(self, args, state, control, **kwargs):
+        r = self.rollouts
+        if r.trainer is not None and r._synced_step != state.global_step:
+            r._sync(r.trainer)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs is not None and "loss" in logs:  # training rows only (not the run's final summary)
+            logs.update(self.rollouts._log_row(state.global_step))

@@ -1,0 +1,300 @@
+"""TRL's GRPOTrainer, unmodified, on the toy world, with draftadapt attached through its rollout_func.
+
+    .venv/bin/python recipes/trl_grpo_toy.py --out runs/trl [--steps 12] [--toy DIR] [--draft DIR]
+
+Builds (or reuses) the toy target and a pretrained Eagle-3 draft, then runs TRL 1.16's GRPO on
+the toy task on CPU: the toy target is the policy, the reward is the demo's (correct final answer
+plus a bonus for the verbose style, which moves the policy away from what the draft was
+pretrained on), rollouts come from draftadapt's vLLM engine with speculation
+(``draftadapt.integrations.trl.SpeculativeRollouts``) and the draft is adapted online. After
+every optimizer step the frozen pretrained draft and the adapted one are measured on the same
+held-out prompts (outside TRL's step time). Then TRL runs a few steps without draftadapt: with
+its own generation (transformers ``generate``) and with vLLM rollouts without speculation.
+Prints one line per step and, at the end, one JSON line:
+
+    {"steps": 12, "adapted_over_frozen_acceptance": 1.2, "trl_step_s": ..., "trl_step_s_trl_generate": ...}
+
+Writes OUT/summary.json (the demo's shape: arms with acceptance_length_per_step, last_third) and
+OUT/trl/runs/*/events.out.tfevents.* (TensorBoard: accept/length, accept/pos_i, draft/version,
+swap/ms next to TRL's own reward, loss and step_time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from draftadapt.adapter import AdapterConfig, ScheduleConfig
+from draftadapt.config import ConfigError, load_config, save_config
+from draftadapt.toy import task
+
+
+@dataclass
+class TRLToyConfig:
+    out: str = "runs/trl"
+    toy: str | None = None  # reuse a built toy target (default: OUT/toy, built once)
+    draft: str | None = None  # reuse a pretrained Eagle-3 draft (default: OUT/draft0, pretrained once)
+    pretrain_recipe: str = "recipes/pretrain_eagle3_toy.yaml"
+    seed: int = 0
+    steps: int = 12  # GRPO optimizer steps with draftadapt; the last third is 4 steps
+    prompts_per_step: int = 64  # distinct problems per step (as the demo: 16 x 4 was too noisy)
+    group_size: int = 4  # TRL's num_generations
+    micro_batch: int = 64  # TRL's per_device_train_batch_size; accumulation makes up the step
+    max_tokens: int = 96  # TRL's max_completion_length
+    temperature: float = 1.0
+    lr: float = 7e-4  # the demo's policy rate and warmup (its GRPOConfig explains both)
+    warmup_steps: int = 3
+    beta: float = 0.1  # KL to the initial policy, as the demo
+    style: str = "verbose"  # the demo's reward: correct answer + style_bonus for this style
+    style_bonus: float = 1.0
+    k: int = 3
+    # torch threads of this process (trainer and in-process engine). 1, not 2: on a 2-core machine
+    # shared with anything else, two OpenMP threads on one free core wait on each other at every
+    # barrier (seen here: a 64-rollout step took 150 s instead of seconds).
+    engine_threads: int = 1
+    eval_prompts: int = 32  # held-out prompts both drafts are measured on after every step
+    eval_seed: int = 1234
+    # Steps TRL runs without draftadapt, for its step time: with its own generation, and with
+    # vLLM rollouts without speculation. 0 skips them.
+    baseline_steps: int = 3
+    # The demo's online schedule (recipes/toy_grpo.py, DemoConfig.adapter explains it).
+    adapter: AdapterConfig = field(default_factory=lambda: AdapterConfig(
+        batch_size=16, schedule=ScheduleConfig(train_steps=20), train=replace(AdapterConfig().train, lr=2e-3)))
+
+
+def prepare_world(cfg: TRLToyConfig, out: Path) -> tuple[Path, Path]:
+    """The toy target and a draft pretrained on it (built once; reused from OUT on a rerun)."""
+    toy = Path(cfg.toy) if cfg.toy else out / "toy"
+    if not (toy / "heldout.jsonl").is_file():
+        from draftadapt.toy.build import build
+
+        print(f"[trl] building the toy target into {toy} (a few minutes, once)", flush=True)
+        print(json.dumps(build(str(toy), seed=cfg.seed)), flush=True)
+    draft = Path(cfg.draft) if cfg.draft else out / "draft0"
+    if not (draft / "draftadapt.json").is_file():
+        from draftadapt.pretrain import PretrainConfig, pretrain
+
+        print(f"[trl] pretraining the Eagle-3 draft into {draft} (a few minutes, once)", flush=True)
+        pretrain(load_config(PretrainConfig, cfg.pretrain_recipe, [f"target={toy}", f"out={draft}"]))
+    return toy, draft
+
+
+def reward_funcs(cfg: TRLToyConfig):
+    """The demo's reward as two TRL reward functions (TRL logs each one's mean and adds them)."""
+    def correct(prompts, completions, **_):
+        return [task.reward(p, c) for p, c in zip(prompts, completions)]
+
+    def style(prompts, completions, **_):
+        return [cfg.style_bonus * float(task.style_of(c) == cfg.style) for c in completions]
+
+    return [correct, style]
+
+
+def make_trainer(cfg: TRLToyConfig, toy: Path, out_dir: Path, steps: int, rollout_func=None, callbacks=()):
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    n = cfg.prompts_per_step * cfg.group_size
+    if n % cfg.micro_batch:
+        raise ConfigError(f"prompts_per_step x group_size = {n} is not a multiple of micro_batch {cfg.micro_batch}")
+    problems = task.sample_problems(cfg.prompts_per_step * steps, cfg.seed)
+    args = GRPOConfig(
+        output_dir=str(out_dir), use_cpu=True, use_vllm=False, max_steps=steps, seed=cfg.seed,
+        per_device_train_batch_size=cfg.micro_batch, gradient_accumulation_steps=n // cfg.micro_batch,
+        num_generations=cfg.group_size, max_completion_length=cfg.max_tokens, temperature=cfg.temperature,
+        learning_rate=cfg.lr, lr_scheduler_type="constant_with_warmup", warmup_steps=cfg.warmup_steps,
+        adam_beta2=0.99, max_grad_norm=1.0, beta=cfg.beta, loss_type="grpo",
+        logging_steps=1, report_to=["tensorboard"], save_strategy="no", disable_tqdm=True,
+        log_level="warning",
+    )
+    model = AutoModelForCausalLM.from_pretrained(str(toy), dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(str(toy))
+    return GRPOTrainer(model=model, reward_funcs=reward_funcs(cfg), args=args, processing_class=tokenizer,
+                       train_dataset=Dataset.from_list([{"prompt": p["prompt"]} for p in problems]),
+                       rollout_func=rollout_func, callbacks=list(callbacks))
+
+
+def measure(engine, prompts: list[str], cfg: TRLToyConfig) -> dict:
+    # in-process engine: no collector pass over the trainer's heap inside a timing
+    gc.collect()
+    gc.disable()
+    try:
+        res = engine.generate(prompts, temperature=cfg.temperature, max_tokens=cfg.max_tokens, seed=cfg.eval_seed)
+    finally:
+        gc.enable()
+    return {"acceptance_length": res.spec.length, "per_position": res.spec.per_position,
+            "tokens_per_s": res.tokens_per_s, "tokens": res.num_tokens, "seconds": res.seconds}
+
+
+def make_arms_callback(rollouts, draft0: Path, prompts: list[str], cfg: TRLToyConfig, arms: dict):
+    """After each step (after draftadapt's own step end): the frozen and the adapted draft on the
+    same prompts and policy, by in-place swaps; the order flips every step."""
+    from transformers import TrainerCallback
+
+    class Arms(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            engine = rollouts.engine
+
+            def frozen():
+                live = engine.draft_dir
+                engine.swap_draft(draft0)
+                try:
+                    return measure(engine, prompts, cfg)
+                finally:
+                    engine.swap_draft(live)
+
+            if state.global_step % 2:
+                arms["frozen"].append(frozen())
+                arms["adapted"].append(measure(engine, prompts, cfg))
+            else:
+                arms["adapted"].append(measure(engine, prompts, cfg))
+                arms["frozen"].append(frozen())
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if not logs or "loss" not in logs or not arms["adapted"]:
+                return
+            f, a = arms["frozen"][-1], arms["adapted"][-1]
+            print(f"[trl] step {state.global_step:3d}/{args.max_steps} reward {logs.get('reward', 0):.3f} "
+                  f"style {logs.get('rewards/style/mean', 0):.2f} | accept frozen {f['acceptance_length']:.2f} "
+                  f"adapted {a['acceptance_length']:.2f} (RL batch {logs.get('accept/length', float('nan')):.2f}) | "
+                  f"TRL step {logs.get('step_time', 0):.1f} s, adapt {logs.get('stage/adapt_s', 0):.1f} s | "
+                  f"draft v{int(logs.get('draft/version', 0))}", flush=True)
+
+    return Arms()
+
+
+def step_times(trainer) -> list[float]:
+    """TRL's own step_time per optimizer step (generation + forward/backward, its metric)."""
+    return [h["step_time"] for h in trainer.state.log_history if "step_time" in h]
+
+
+def mean(xs: list[float]) -> float:
+    xs = [x for x in xs if x == x]
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def run_baseline(cfg: TRLToyConfig, toy: Path, out: Path, name: str, engine: bool) -> dict:
+    """TRL without draftadapt for cfg.baseline_steps steps: its own generation, or vLLM rollouts
+    without speculation (SpeculativeRollouts with no draft)."""
+    from draftadapt.integrations.trl import SpeculativeRollouts
+
+    rollouts = SpeculativeRollouts(toy, None, engine_kwargs={"threads": cfg.engine_threads, "seed": cfg.seed}) \
+        if engine else None
+    try:
+        trainer = make_trainer(cfg, toy, out / name, cfg.baseline_steps, rollout_func=rollouts)
+        torch.set_num_threads(cfg.engine_threads)
+        trainer.train()
+    finally:
+        if rollouts is not None:
+            rollouts.close()
+    t = step_times(trainer)
+    # the first step pays one-time costs (the engine's first sync, allocator warm-up)
+    return {"step_time_s_per_step": t, "mean_step_time_s": mean(t[1:] or t)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--toy", default=None)
+    ap.add_argument("--draft", default=None)
+    ap.add_argument("overrides", nargs="*", help="key=value overrides of TRLToyConfig")
+    a = ap.parse_args(argv)
+    overrides = list(a.overrides) + [f"{k}={v}" for k, v in
+                                     (("out", a.out), ("steps", a.steps), ("toy", a.toy), ("draft", a.draft))
+                                     if v is not None]
+    try:
+        cfg = load_config(TRLToyConfig, None, overrides)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    t_run = time.perf_counter()
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, out / "config.yaml")
+    toy, draft0 = prepare_world(cfg, out)
+
+    # ---- the TRL run with draftadapt: the lines a TRL user adds are marked (+)
+    from draftadapt.integrations.trl import SpeculativeRollouts
+
+    rollouts = SpeculativeRollouts(toy, draft0, out / "drafts", adapter_cfg=cfg.adapter, k=cfg.k,  # (+)
+                                   engine_kwargs={"threads": cfg.engine_threads, "seed": cfg.seed})
+    eval_prompts = [p["prompt"] for p in task.load_heldout(toy)[: cfg.eval_prompts]]
+    arms: dict[str, list[dict]] = {"frozen": [], "adapted": []}
+    try:
+        trainer = make_trainer(cfg, toy, out / "trl", cfg.steps, rollout_func=rollouts,  # (+ rollout_func)
+                               callbacks=[make_arms_callback(rollouts, draft0, eval_prompts, cfg, arms)])
+        torch.set_num_threads(cfg.engine_threads)  # vLLM lowered it to 1 at start-up; the trainer takes both
+        t0 = time.perf_counter()
+        trainer.train()
+        loop_seconds = time.perf_counter() - t0
+    finally:
+        rollouts.close()  # (+)
+    history = rollouts.history
+    logs = [h for h in trainer.state.log_history if "step_time" in h]
+
+    # ---- TRL without draftadapt, same settings, for its step time
+    baselines = {}
+    if cfg.baseline_steps:
+        baselines["trl_generate"] = run_baseline(cfg, toy, out, "trl_generate", engine=False)
+        baselines["vllm_no_spec"] = run_baseline(cfg, toy, out, "vllm_no_spec", engine=True)
+
+    # ---- summary (the demo's shape)
+    n = len(history)
+    last = max(1, n // 3)
+    s = {"steps": n, "seconds": loop_seconds, "spec": True, "framework": "trl " + __import__("trl").__version__,
+         "reward_per_step": [h.get("reward") for h in logs],
+         "accuracy_per_step": [h.get("rewards/correct/mean") for h in logs],
+         "style_frac_per_step": [h.get("rewards/style/mean", 0.0) / cfg.style_bonus for h in logs],
+         "arms_measured_at": f"{cfg.eval_prompts} eval prompts after every step", "arms": {}}
+    for name, ms in arms.items():
+        s["arms"][name] = {
+            "acceptance_length_per_step": [m["acceptance_length"] for m in ms],
+            "last_third_acceptance": mean([m["acceptance_length"] for m in ms[-last:]]),
+            "mean_tokens_per_s": sum(m["tokens"] for m in ms) / max(1e-9, sum(m["seconds"] for m in ms)),
+        }
+    s["rl_batch_acceptance_per_step"] = [h.get("accept/length") for h in history]
+    s["drafts"] = {"published": int(sum(h.get("adapt/published", 0.0) for h in history)),
+                   "swapped_in": int(sum(h.get("swap/count", 0.0) for h in history)),
+                   "final_version": int(history[-1].get("draft/version", 0)) if history else 0,
+                   "swap_ms_per_step": [h.get("swap/ms") for h in history]}
+    trl_t = step_times(trainer)
+    e = {"trl_step_s": mean(trl_t[1:] or trl_t),  # TRL's step_time: generation + forward/backward
+         "sync_s": mean([h["stage/sync_s"] for h in history[1:] or history]),  # weights into the engine
+         "adapt_s": mean([h["stage/adapt_s"] for h in history[1:] or history]),  # draftadapt's round
+         "gen_s": mean([h["stage/gen_s"] for h in history[1:] or history])}
+    e["rl_step_s"] = e["trl_step_s"] + e["sync_s"] + e["adapt_s"]
+    s["end_to_end"] = {**e, "trl_step_time_s_per_step": trl_t, "averaged_over": "steps 2..N (step 1 pays warm-up)"}
+    s["without_draftadapt"] = baselines
+    if "trl_generate" in baselines:
+        b = baselines["trl_generate"]["mean_step_time_s"]
+        s["end_to_end"]["trl_step_speedup_over_trl_generate"] = b / e["trl_step_s"]
+        s["end_to_end"]["rl_step_speedup_over_trl_generate"] = b / e["rl_step_s"]
+    if "vllm_no_spec" in baselines:
+        b = baselines["vllm_no_spec"]["mean_step_time_s"]
+        s["end_to_end"]["trl_step_speedup_over_vllm_no_spec"] = b / e["trl_step_s"]
+    fa, aa = s["arms"]["frozen"]["last_third_acceptance"], s["arms"]["adapted"]["last_third_acceptance"]
+    s["last_third"] = {"adapted_over_frozen_acceptance": aa / fa}
+    s["tensorboard"] = sorted(str(p) for p in (out / "trl").rglob("events.out.tfevents.*"))
+    s["total_seconds"] = time.perf_counter() - t_run
+    (out / "summary.json").write_text(json.dumps(s, indent=2) + "\n")
+    line = {"steps": n, "adapted_over_frozen_acceptance": round(aa / fa, 3),
+            "frozen_last_third": round(fa, 3), "adapted_last_third": round(aa, 3),
+            "drafts_published": s["drafts"]["published"], "drafts_swapped_in": s["drafts"]["swapped_in"],
+            "trl_step_s": round(e["trl_step_s"], 2), "rl_step_s": round(e["rl_step_s"], 2),
+            **{f"trl_step_s_{k}": round(v["mean_step_time_s"], 2) for k, v in baselines.items()},
+            "out": str(out)}
+    print(json.dumps(line))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
