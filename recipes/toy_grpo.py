@@ -182,21 +182,11 @@ def pretrain_overrides(cfg: DemoConfig) -> list[str]:
     return [f"data.num_prompts={cfg.pretrain_prompts}"] if cfg.pretrain_prompts else []
 
 
-def prepare_world(cfg: DemoConfig, out: Path) -> tuple[Path, Path]:
+def prepare_world(cfg, out: Path) -> tuple[Path, Path]:
     """The toy target and a draft pretrained on it (built once; reused from OUT on a rerun)."""
-    toy = Path(cfg.toy) if cfg.toy else out / "toy"
-    if not (toy / "heldout.jsonl").is_file():
-        from draftadapt.toy.build import build
+    from draftadapt.pretrain import prepare_toy_world
 
-        print(f"[demo] building the toy target into {toy} (a few minutes, once)", flush=True)
-        print(json.dumps(build(str(toy), seed=cfg.seed)), flush=True)
-    draft = Path(cfg.draft) if cfg.draft else out / "draft0"
-    if not (draft / "draftadapt.json").is_file():
-        from draftadapt.pretrain import PretrainConfig, pretrain
-
-        print(f"[demo] pretraining the Eagle-3 draft into {draft} (a few minutes, once)", flush=True)
-        pretrain(load_config(PretrainConfig, cfg.pretrain_recipe, [f"target={toy}", f"out={draft}", *pretrain_overrides(cfg)]))
-    return toy, draft
+    return prepare_toy_world(out, cfg.toy, cfg.draft, cfg.seed, cfg.pretrain_recipe, pretrain_overrides(cfg), tag="demo")
 
 
 def measure(engine: RolloutEngine, prompts: list[str], cfg: DemoConfig, max_tokens: int | None = None) -> dict:

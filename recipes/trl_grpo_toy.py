@@ -69,21 +69,11 @@ class TRLToyConfig:
         batch_size=16, schedule=ScheduleConfig(train_steps=20), train=replace(AdapterConfig().train, lr=2e-3)))
 
 
-def prepare_world(cfg: TRLToyConfig, out: Path) -> tuple[Path, Path]:
+def prepare_world(cfg, out: Path) -> tuple[Path, Path]:
     """The toy target and a draft pretrained on it (built once; reused from OUT on a rerun)."""
-    toy = Path(cfg.toy) if cfg.toy else out / "toy"
-    if not (toy / "heldout.jsonl").is_file():
-        from draftadapt.toy.build import build
+    from draftadapt.pretrain import prepare_toy_world
 
-        print(f"[trl] building the toy target into {toy} (a few minutes, once)", flush=True)
-        print(json.dumps(build(str(toy), seed=cfg.seed)), flush=True)
-    draft = Path(cfg.draft) if cfg.draft else out / "draft0"
-    if not (draft / "draftadapt.json").is_file():
-        from draftadapt.pretrain import PretrainConfig, pretrain
-
-        print(f"[trl] pretraining the Eagle-3 draft into {draft} (a few minutes, once)", flush=True)
-        pretrain(load_config(PretrainConfig, cfg.pretrain_recipe, [f"target={toy}", f"out={draft}"]))
-    return toy, draft
+    return prepare_toy_world(out, cfg.toy, cfg.draft, cfg.seed, cfg.pretrain_recipe, (), tag="trl")
 
 
 def reward_funcs(cfg: TRLToyConfig):

@@ -43,10 +43,9 @@ def toy_prompts(target: Path, n: int) -> list[str]:
     return [p["prompt"] for p in load_heldout(target / "heldout.jsonl")[:n]]
 
 
-@pytest.fixture(scope="session")
-def trained_head(toy_target, tmp_path_factory) -> Path:
-    """An Eagle-3 head trained 12 steps on the toy task's own sequences (no engine needed): its
-    acceptance is well above an untrained head's, so a damaged swap shows."""
+def pretrain_toy_head(toy_target: Path, out: Path, steps: int) -> Path:
+    """An Eagle-3 head pretrained ``steps`` steps in-process on the toy task's own sequences (no
+    engine needed); returns its directory."""
     from transformers import AutoTokenizer
 
     from draftadapt.config import load_config
@@ -54,7 +53,6 @@ def trained_head(toy_target, tmp_path_factory) -> Path:
     from draftadapt.pretrain import PretrainConfig, pretrain
     from draftadapt.toy.task import sample_problems
 
-    out = tmp_path_factory.mktemp("trained_head") / "eagle3"
     tok = AutoTokenizer.from_pretrained(str(toy_target))
 
     def seqs(n, seed):
@@ -64,10 +62,17 @@ def trained_head(toy_target, tmp_path_factory) -> Path:
     save_sequences(out / "pretrain/data/heldout.jsonl", seqs(16, 1))
     save_sequences(out / "pretrain/data/train.jsonl", seqs(128, 0))
     cfg = load_config(PretrainConfig, REPO / "recipes/pretrain_eagle3_toy.yaml",
-                      [f"target={toy_target}", f"out={out}", "max_steps=12", "train.batch_size=16", "train.warmup_steps=2", "log=[jsonl]", "threads=1",
-                       "checkpoint_every=0"])
+                      [f"target={toy_target}", f"out={out}", f"max_steps={steps}", "train.batch_size=16",
+                       "train.warmup_steps=2", "log=[jsonl]", "threads=1", "checkpoint_every=0"])
     pretrain(cfg)
     return out
+
+
+@pytest.fixture(scope="session")
+def trained_head(toy_target, tmp_path_factory) -> Path:
+    """An Eagle-3 head trained 12 steps: its acceptance is well above an untrained head's, so a
+    damaged swap shows."""
+    return pretrain_toy_head(toy_target, tmp_path_factory.mktemp("trained_head") / "eagle3", 12)
 
 
 TINY = ToyModelConfig(num_layers=4, hidden_size=64, num_heads=2, num_kv_heads=2, intermediate_size=128)

@@ -14,35 +14,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from .conftest import pretrain_toy_head
+
 pytestmark = pytest.mark.integration
 
-trl = pytest.importorskip("trl")
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def quick_head(toy_target, tmp_path_factory) -> Path:
     """An Eagle-3 head trained for a few steps on toy sequences: it gets some drafts accepted."""
-    from transformers import AutoTokenizer
-
-    from draftadapt.config import load_config
-    from draftadapt.data.sequences import Sequence, save_sequences
-    from draftadapt.pretrain import PretrainConfig, pretrain
-    from draftadapt.toy.task import sample_problems
-
-    out = tmp_path_factory.mktemp("trl") / "eagle3"
-    tok = AutoTokenizer.from_pretrained(str(toy_target))
-
-    def seqs(n, seed):
-        return [Sequence(tok(p["prompt"]).input_ids, tok(p["response"], add_special_tokens=False).input_ids
-                         + [tok.eos_token_id]) for p in sample_problems(n, seed)]
-
-    save_sequences(out / "pretrain/data/heldout.jsonl", seqs(16, 1))
-    save_sequences(out / "pretrain/data/train.jsonl", seqs(128, 0))
-    pretrain(load_config(PretrainConfig, REPO / "recipes/pretrain_eagle3_toy.yaml", [
-        f"target={toy_target}", f"out={out}", "max_steps=24", "train.batch_size=16", "train.warmup_steps=2",
-        "log=[jsonl]", "threads=1", "checkpoint_every=0"]))
-    return out
+    return pretrain_toy_head(toy_target, tmp_path_factory.mktemp("trl") / "eagle3", 24)
 
 
 def test_engine_logprobs_match_trls_recomputed_logprobs_with_speculation_on(toy_target, quick_head, tmp_path):
