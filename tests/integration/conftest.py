@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import json
 import os
 import random
 import subprocess
@@ -11,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from draftadapt.drafts.formats import META_FILE, WEIGHTS_FILE
 from draftadapt.engine.rollout import RolloutEngine
+from draftadapt.fileio import file_sha256
 from draftadapt.spool import SpoolWriter
 from draftadapt.toy.model import ToyModelConfig, build_model
 from draftadapt.toy.tokenizer import build_tokenizer
@@ -100,3 +103,13 @@ def start_sidecar(spool, out, target, draft, log, *overrides: str) -> subprocess
            "adapter.train.threads=1", *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+
+
+def edit_manifest(draft: Path, **changes) -> None:
+    """Change the manifest and make its sha256 match the weights again (an attacker can do both)."""
+    meta = json.loads((draft / META_FILE).read_text())
+    meta.update(changes)
+    meta = {k: v for k, v in meta.items() if v is not None}
+    if "sha256" in meta:
+        meta["sha256"] = file_sha256(draft / WEIGHTS_FILE)
+    (draft / META_FILE).write_text(json.dumps(meta))

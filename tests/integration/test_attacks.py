@@ -29,12 +29,11 @@ from draftadapt.data.store import DraftStore
 from draftadapt.drafts.formats import META_FILE, WEIGHTS_FILE
 from draftadapt.drafts.init import init_draft
 from draftadapt.engine.rollout import DraftSwapError
-from draftadapt.fileio import file_sha256
 from draftadapt.spool import SpoolCursor, SpoolReader, SpoolWriter
 from draftadapt.toy.model import build_model
 from draftadapt.train.trainer import TrainConfig
 
-from .conftest import REPO, TINY, start_engine, start_sidecar, stop_engine, tiny_target, toy_prompts, write_shard
+from .conftest import REPO, TINY, edit_manifest, start_engine, start_sidecar, stop_engine, tiny_target, toy_prompts, write_shard
 
 pytestmark = pytest.mark.integration
 K = 3
@@ -60,16 +59,6 @@ def long_prompts(engine, toy_target, n: int = 24, length: int = 150) -> list[lis
             j += 1
         out.append(ids[:length])
     return out
-
-
-def edit_manifest(draft: Path, **changes) -> None:
-    """Change the manifest and make its sha256 match the weights again (an attacker can do both)."""
-    meta = json.loads((draft / META_FILE).read_text())
-    meta.update(changes)
-    meta = {k: v for k, v in meta.items() if v is not None}
-    if "sha256" in meta:
-        meta["sha256"] = file_sha256(draft / WEIGHTS_FILE)
-    (draft / META_FILE).write_text(json.dumps(meta))
 
 
 @pytest.fixture(scope="module")
@@ -284,11 +273,16 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=300)
 
 
-def test_the_sidecar_quarantines_bad_input_and_processes_what_follows(tmp_path):
+def sidecar_world(tmp_path: Path):
+    """A tiny target, a draft for it, a spool with its writer, the drafts' output dir."""
     target = tiny_target(tmp_path / "target")
     draft = init_draft(target, "eagle3", tmp_path / "draft0", draft_vocab=32)
     spool, out = tmp_path / "spool", tmp_path / "drafts"
-    writer = SpoolWriter(spool, writer_id="rl")
+    return target, draft, spool, out, SpoolWriter(spool, writer_id="rl")
+
+
+def test_the_sidecar_quarantines_bad_input_and_processes_what_follows(tmp_path):
+    target, draft, spool, out, writer = sidecar_world(tmp_path)
     rng = random.Random(0)
     good = [write_shard(writer, 0, rng).stem]
     bad_id = writer.write_rollouts(step=1, policy_version=0, prompt_ids=[[1, 5, 6]], response_ids=[[9999, 7]]).stem
@@ -323,10 +317,7 @@ def test_the_sidecar_quarantines_bad_input_and_processes_what_follows(tmp_path):
 
 
 def test_a_killed_sidecar_restarts_from_its_newest_draft_and_trainer_state(tmp_path):
-    target = tiny_target(tmp_path / "target")
-    draft = init_draft(target, "eagle3", tmp_path / "draft0", draft_vocab=32)
-    spool, out = tmp_path / "spool", tmp_path / "drafts"
-    writer = SpoolWriter(spool, writer_id="rl")
+    target, draft, spool, out, writer = sidecar_world(tmp_path)
     rng = random.Random(1)
     for s in range(6):
         write_shard(writer, s, rng)

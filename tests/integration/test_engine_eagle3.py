@@ -12,7 +12,7 @@ from draftadapt.drafts.formats import DraftFormatError, META_FILE, WEIGHTS_FILE
 from draftadapt.drafts.init import init_draft
 from draftadapt.engine.rollout import DraftSwapError
 
-from .conftest import start_engine, stop_engine, toy_prompts
+from .conftest import edit_manifest, start_engine, stop_engine, toy_prompts
 
 pytestmark = pytest.mark.integration
 K = 3
@@ -73,17 +73,6 @@ def test_swap_changes_live_checksum_and_is_exact(engine, drafts):
     assert back.version == 0
 
 
-def resign(draft, **changes) -> None:
-    """Rewrite the manifest so its sha256 matches the (changed) weights: only the content is bad."""
-    import json
-
-    from draftadapt.fileio import file_sha256
-
-    meta = {**json.loads((draft / META_FILE).read_text()), **changes}
-    meta["sha256"] = file_sha256(draft / WEIGHTS_FILE)
-    (draft / META_FILE).write_text(json.dumps(meta))
-
-
 def test_bad_files_change_nothing(engine, drafts, toy_target, tmp_path):
     live = engine.draft_state()["checksum"]
     # 1a. truncated weights: the header no longer covers the file
@@ -107,7 +96,7 @@ def test_bad_files_change_nothing(engine, drafts, toy_target, tmp_path):
     garbage = tmp_path / "garbage"
     shutil.copytree(drafts["v1"], garbage)
     (garbage / WEIGHTS_FILE).write_bytes(b"\x00\x01not safetensors" * 64)
-    resign(garbage, version=9)
+    edit_manifest(garbage, version=9)
     with pytest.raises(DraftSwapError, match="safetensors"):
         engine.swap_draft(garbage)
     # 3. a draft of another shape (other draft vocabulary)
@@ -122,7 +111,7 @@ def test_bad_files_change_nothing(engine, drafts, toy_target, tmp_path):
     sd = load_file(str(own / WEIGHTS_FILE))
     sd["embed_tokens.weight"] = torch.zeros(64, 256)
     save_file(sd, str(own / WEIGHTS_FILE))
-    resign(own, version=5)
+    edit_manifest(own, version=5)
     with pytest.raises(DraftSwapError, match="embed_tokens"):
         engine.swap_draft(own)
     # 5. missing manifest
