@@ -113,3 +113,15 @@ def edit_manifest(draft: Path, **changes) -> None:
     if "sha256" in meta:
         meta["sha256"] = file_sha256(draft / WEIGHTS_FILE)
     (draft / META_FILE).write_text(json.dumps(meta))
+
+
+def flipped_copy(draft: Path, dst: Path) -> Path:
+    """A copy of ``draft`` whose last 64 weight bytes are flipped (length and header intact)."""
+    import shutil
+
+    shutil.copytree(draft, dst)
+    data = bytearray((dst / WEIGHTS_FILE).read_bytes())
+    for i in range(len(data) - 64, len(data)):
+        data[i] ^= 0xFF
+    (dst / WEIGHTS_FILE).write_bytes(bytes(data))
+    return dst

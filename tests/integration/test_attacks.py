@@ -33,7 +33,7 @@ from draftadapt.spool import SpoolCursor, SpoolReader, SpoolWriter
 from draftadapt.toy.model import build_model
 from draftadapt.train.trainer import TrainConfig
 
-from .conftest import REPO, TINY, edit_manifest, start_engine, start_sidecar, stop_engine, tiny_target, toy_prompts, write_shard
+from .conftest import REPO, TINY, edit_manifest, flipped_copy, start_engine, start_sidecar, stop_engine, tiny_target, toy_prompts, write_shard
 
 pytestmark = pytest.mark.integration
 K = 3
@@ -125,12 +125,7 @@ def test_an_older_version_of_the_same_store_needs_an_explicit_rollback(world):
 
 
 def test_a_manifest_without_sha256_is_refused(world, tmp_path):
-    flipped = tmp_path / "nosha"
-    shutil.copytree(world["v2"], flipped)
-    data = bytearray((flipped / WEIGHTS_FILE).read_bytes())
-    for i in range(len(data) - 64, len(data)):
-        data[i] ^= 0xFF
-    (flipped / WEIGHTS_FILE).write_bytes(bytes(data))
+    flipped = flipped_copy(world["v2"], tmp_path / "nosha")
     edit_manifest(flipped, sha256=None)
     refused(world, flipped, "no sha256")
 

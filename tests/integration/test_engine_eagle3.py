@@ -12,7 +12,7 @@ from draftadapt.drafts.formats import DraftFormatError, META_FILE, WEIGHTS_FILE
 from draftadapt.drafts.init import init_draft
 from draftadapt.engine.rollout import DraftSwapError
 
-from .conftest import edit_manifest, start_engine, stop_engine, toy_prompts
+from .conftest import edit_manifest, flipped_copy, start_engine, stop_engine, toy_prompts
 
 pytestmark = pytest.mark.integration
 K = 3
@@ -84,12 +84,7 @@ def test_bad_files_change_nothing(engine, drafts, toy_target, tmp_path):
         engine.swap_draft(trunc)
     # 1b. bytes flipped inside the tensor data (same length, header intact, names and shapes fit):
     # the worker hashes the bytes it loads against the manifest's sha256 and refuses them
-    flipped = tmp_path / "flipped"
-    shutil.copytree(drafts["v1"], flipped)
-    data = bytearray((flipped / WEIGHTS_FILE).read_bytes())
-    for i in range(len(data) - 64, len(data)):
-        data[i] ^= 0xFF
-    (flipped / WEIGHTS_FILE).write_bytes(bytes(data))
+    flipped = flipped_copy(drafts["v1"], tmp_path / "flipped")
     with pytest.raises(DraftSwapError, match="sha256 does not match"):
         engine.swap_draft(flipped)
     # 2. corrupt bytes with a manifest that agrees (sha256 of the garbage): the header does not parse
