@@ -234,11 +234,11 @@ class DraftAdapter:
         self.cfg.validate()
         self.policy_dir = Path(policy_dir)
         self.logger = logger
-        # a draft built for another target is refused here, never relabelled by a publish
-        check_draft_for_target(draft_dir, self.policy_dir)
         # Building modules draws from torch's global RNG before their weights are loaded; the
         # host's RNG stream must not notice (docs/design.md, "TRL integration").
         with torch.random.fork_rng(devices=[]):
+            # a draft built for another target is refused here, never relabelled by a publish
+            check_draft_for_target(draft_dir, self.policy_dir)
             self.policy = _load_policy(self.policy_dir)
             draft, self.format = _load_draft(Path(draft_dir), self.policy_dir, self.cfg.method)
         self.policy.eval()
