@@ -123,9 +123,12 @@ def test_score_improves_with_training_and_export_copy():
     after, uniform = tr.score(held_b, k=3)
     assert 1.0 <= before.length < after.length <= 4.0
     assert len(after.per_position) == 3 and uniform.drafts >= after.drafts
-    # the standalone scorer on the exported copy agrees with the trainer's
+    # the standalone scorer on the exported copy agrees with the trainer's. Not bit for bit: the
+    # bare head and the trainer's wrapped one order their float sums differently, and with vLLM's
+    # thread binding in the process (the full suite) a near-tie of the greedy draft flips now and
+    # then (seen: 1.2743 vs 1.2728). Exporting the wrong weights moves it by > 0.1.
     again, _ = score_draft(tr.export_draft(), held_b, 3)
-    assert again.length == pytest.approx(after.length)
+    assert again.length == pytest.approx(after.length, abs=0.01)
 
 
 def test_lr_schedule():
