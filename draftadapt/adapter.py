@@ -42,10 +42,10 @@ from draftadapt.data.sequences import Sequence as TokenSeq
 from draftadapt.data.sequences import collate
 from draftadapt.data.store import DraftStore
 from draftadapt.drafts.formats import (
-    IDENTITY_FIELDS,
     DraftFormatError,
     check_draft_for_target,
     detect_format,
+    identity_mismatch,
     read_hf_config,
     target_fingerprint,
 )
@@ -256,6 +256,7 @@ class DraftAdapter:
 
             vocab = draft_to_target_ids(draft.d2t)
         self.capture = TargetCapture(self.policy, aux, vocab, temperature=self.cfg.temperature)
+        self.aux_width = len(aux or []) * int(pc.hidden_size)  # of handed-over aux states
         self.replay = ReplayBuffer(
             self.cfg.replay_max_tokens, self.cfg.replay_max_bytes, self.cfg.recency_decay,
             holdout_fraction=self.cfg.validate_cfg.heldout_fraction, max_heldout=self.cfg.validate_cfg.max_heldout,
@@ -281,9 +282,7 @@ class DraftAdapter:
     def _resume(self, latest) -> Any:
         """After a restart over an existing output dir: train on from its newest published draft,
         with the trainer state saved beside it when that state belongs to that version."""
-        recorded = latest.meta.get("target") or {}
-        served = target_fingerprint(self.policy_dir)
-        differ = [k for k in IDENTITY_FIELDS if recorded.get(k) is not None and recorded.get(k) != served.get(k)]
+        differ = identity_mismatch(latest.meta.get("target") or {}, target_fingerprint(self.policy_dir))
         if differ:
             raise DraftFormatError(
                 f"{self.store.out_dir} holds drafts built for another target ({', '.join(differ)} differ from "
@@ -368,15 +367,14 @@ class DraftAdapter:
         if self.max_positions and len(ids) > self.max_positions:
             raise ValueError(f"observe: rollout {i} has {len(ids)} tokens, over the policy's max_position_embeddings "
                              f"{self.max_positions}; truncate it or drop it")
-        width = len(self.capture.aux_layer_ids or []) * int(self.policy.config.get_text_config().hidden_size)
+        width = self.aux_width
         for name, t in (extra or {}).items():
             if t.dim() != 2 or t.shape[0] != len(ids):
                 raise ValueError(f"observe: {name} of rollout {i} has shape {tuple(t.shape)}; it needs one row per "
                                  f"token of prompt + response ({len(ids)})")
             if name == "aux_hidden" and t.shape[1] != width:
                 raise ValueError(f"observe: aux_hidden of rollout {i} is {t.shape[1]} wide; this draft reads "
-                                 f"{len(self.capture.aux_layer_ids or [])} aux layers of hidden size "
-                                 f"{width // max(1, len(self.capture.aux_layer_ids or []))} ({width})")
+                                 f"aux layers {self.capture.aux_layer_ids} of the policy, {width} wide together")
             finite = torch.isfinite(t) if name == "aux_hidden" else ~torch.isnan(t)  # log-probs may be -inf
             if not bool(finite.all()):
                 raise ValueError(f"observe: {name} of rollout {i} holds NaN or Inf; not added")

@@ -387,6 +387,14 @@ def check_max_positions(draft_max: int, target_max: int | None, where: str) -> N
 IDENTITY_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size", "tokenizer_sha256")
 
 
+def identity_mismatch(recorded: dict[str, Any], fingerprint: dict[str, Any], require: bool = False) -> list[str]:
+    """The identity fields on which a draft's recorded target differs from ``fingerprint`` (a
+    target's :func:`target_fingerprint`). A field the draft does not record is skipped, unless
+    ``require``."""
+    return [k for k in IDENTITY_FIELDS
+            if (require or recorded.get(k) is not None) and recorded.get(k) != fingerprint.get(k)]
+
+
 def check_draft_for_target(draft_dir: str | Path, target_dir: str | Path) -> dict[str, Any]:
     """Everything about a draft dir that must hold before an engine is started with it.
 
@@ -399,7 +407,7 @@ def check_draft_for_target(draft_dir: str | Path, target_dir: str | Path) -> dic
     meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {"format": fmt}
     tfp = target_fingerprint(target_dir)
     recorded = meta.get("target") or {}
-    differ = [k for k in IDENTITY_FIELDS if recorded.get(k) is not None and recorded.get(k) != tfp.get(k)]
+    differ = identity_mismatch(recorded, tfp)
     if differ:
         detail = ", ".join(f"{k}: draft {recorded[k]!r} vs target {tfp[k]!r}" for k in differ)
         raise DraftFormatError(

@@ -26,12 +26,11 @@ import torch
 from draftadapt.drafts.formats import (
     META_FILE,
     WEIGHTS_FILE,
-    IDENTITY_FIELDS,
     DraftFormatError,
     check_draft_for_target,
+    identity_mismatch,
     read_hf_config,
     target_fingerprint,
-    tokenizer_digest,
 )
 from draftadapt.metrics.acceptance import AcceptanceStats
 
@@ -165,8 +164,9 @@ class RolloutEngine:
         self.target = Path(target)
         self.method = method if draft is not None else None
         self.k = num_speculative_tokens if draft is not None else 0
-        # Checks that vLLM would otherwise fail on late and cryptically (or not at all).
-        tokenizer_digest(self.target)
+        # Checks that vLLM would otherwise fail on late and cryptically (or not at all); the
+        # target's identity is what every swapped-in draft is held against.
+        self._target_fp = target_fingerprint(self.target)
         self._draft_ref_shapes: dict[str, tuple[int, ...]] | None = None
         self.draft_dir: Path | None = None
         meta: dict[str, Any] = {}
@@ -341,8 +341,8 @@ class RolloutEngine:
                 f"{meta_path} does not say which target it was built for; not swapped. Re-export it "
                 f"for {self.target} (`draftadapt draft init --target {self.target} --from DRAFT`)"
             )
-        served = target_fingerprint(self.target)
-        differ = [k for k in IDENTITY_FIELDS if recorded.get(k) != served.get(k)]
+        served = self._target_fp
+        differ = identity_mismatch(recorded, served, require=True)
         if differ:
             detail = ", ".join(f"{k}: draft {recorded.get(k)!r} vs serving {served.get(k)!r}" for k in differ)
             raise DraftSwapError(
