@@ -46,6 +46,7 @@ from draftadapt.drafts.formats import (
     check_draft_for_target,
     detect_format,
     identity_mismatch,
+    model_dtype,
     read_hf_config,
     target_fingerprint,
 )
@@ -167,7 +168,8 @@ def _as_token_seqs(rollouts: Iterable[Any]) -> list[TokenSeq]:
 def _load_policy(path_or_dir: str | Path):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(path_or_dir), torch_dtype=torch.float32)
+    # the model's own dtype (a bf16 policy stays bf16; captured states are widened for training)
+    return AutoModelForCausalLM.from_pretrained(str(path_or_dir), dtype="auto")
 
 
 def _load_draft(draft_dir: Path, target_dir: Path, method: str):
@@ -262,6 +264,7 @@ class DraftAdapter:
             holdout_fraction=self.cfg.validate_cfg.heldout_fraction, max_heldout=self.cfg.validate_cfg.max_heldout,
         )
         self.store = DraftStore(out_dir)
+        self._publish_dtype = model_dtype(self.policy_dir)  # published drafts follow the target's dtype
         self._resume_path = Path(out_dir) / RESUME_FILE
         self.rng = random.Random(self.cfg.seed)
         self.trigger = DriftTrigger(self.cfg.schedule)
@@ -302,13 +305,19 @@ class DraftAdapter:
             state = None
         if state is not None and state.get("draft_version") == latest.version:
             self.trainer.load_resume_state(state)
+            if "weights" in state:  # the float32 weights a narrower published copy was rounded from
+                with torch.no_grad():
+                    self.trainer.draft.load_state_dict(state["weights"])
             self.resumed_from = "checkpoint"
         log.info("adapter: resumed from version %d (%s)", latest.version, self.resumed_from)
         return live
 
     def _save_resume(self, version: int) -> None:
+        state = {"draft_version": version, **self.trainer.resume_state()}
+        if self._publish_dtype != "float32":  # the published copy is rounded: keep what training holds
+            state["weights"] = {k: v.detach().clone() for k, v in self.trainer.draft.state_dict().items()}
         with atomic_path(self._resume_path) as tmp:
-            torch.save({"draft_version": version, **self.trainer.resume_state()}, tmp)
+            torch.save(state, tmp)
 
     # ------------------------------------------------------------------ inputs
 

@@ -104,6 +104,10 @@ def make_trainer(cfg: TRLToyConfig, toy: Path, out_dir: Path, steps: int, rollou
         adam_beta2=0.99, max_grad_norm=1.0, beta=cfg.beta, loss_type="grpo",
         logging_steps=1, report_to=["tensorboard"], save_strategy="no", disable_tqdm=True,
         log_level="warning",
+        # TRL's GRPOConfig defaults are GPU ones: bf16 autocast (emulated, and slow, on a CPU
+        # without AVX-512 BF16) and gradient checkpointing (a second forward per micro-batch, for
+        # memory a 5M-parameter policy does not need). float32 as the demo's own GRPO loop.
+        bf16=False, gradient_checkpointing=False,
     )
     model = AutoModelForCausalLM.from_pretrained(str(toy), dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(str(toy))

@@ -79,6 +79,24 @@ def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
+FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def dtype_name(dtype: str | torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in FLOAT_DTYPES:
+        raise DraftFormatError(f"dtype {dtype!r}: weights are float32, bfloat16 or float16")
+    return name
+
+
+def model_dtype(model_dir: str | Path) -> str:
+    """The dtype an HF model directory says its weights are in (float32 when it names none)."""
+    cfg = read_hf_config(model_dir)
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
+    return dtype_name(cfg.get("dtype") or cfg.get("torch_dtype") or text.get("dtype")
+                      or text.get("torch_dtype") or "float32")
+
+
 def target_fingerprint(target_dir: str | Path) -> dict[str, Any]:
     cfg = read_hf_config(target_dir)
     if "text_config" in cfg:  # multimodal wrappers keep the LM config one level down
@@ -117,13 +135,14 @@ def _layer_config(cfg: Eagle3Config) -> dict[str, Any]:
     return lc
 
 
-def eagle3_state_dict(head: Eagle3Head, fmt: str) -> dict[str, torch.Tensor]:
-    """Checkpoint names for ``fmt``; d2t/t2d only when the draft vocab is reduced.
+def eagle3_state_dict(head: Eagle3Head, fmt: str, dtype: str = "float32") -> dict[str, torch.Tensor]:
+    """Checkpoint names for ``fmt`` and float tensors in ``dtype``; d2t/t2d only when the draft
+    vocab is reduced.
 
     vLLM keeps ``draft_id_to_target_id`` only when draft vocab != target vocab and would reject a
     ``d2t`` it has no parameter for.
     """
-    sd = {k: v.detach().to(torch.float32).contiguous().clone() for k, v in head.state_dict().items()}
+    sd = {k: v.detach().to(FLOAT_DTYPES[dtype]).contiguous().clone() for k, v in head.state_dict().items()}
     sd["d2t"] = head.d2t.to(torch.int64).clone()
     sd["t2d"] = head.t2d.to(torch.bool).clone()
     if head.cfg.draft_vocab_size == head.cfg.target_vocab_size:
@@ -142,8 +161,11 @@ def export_eagle3(
     fmt: str = "speculators",
     num_speculative_tokens: int = 3,
     meta: dict[str, Any] | None = None,
+    dtype: str | torch.dtype | None = None,
 ) -> Path:
-    """Write ``head`` as a draft directory vLLM loads with ``method="eagle3"``."""
+    """Write ``head`` as a draft directory vLLM loads with ``method="eagle3"``. ``dtype``: of the
+    written weights; None = the target's own (a bf16 target gets a bf16 draft: half the bytes
+    per swap; training keeps float32 weights of its own)."""
     out = Path(out)
     cfg = head.cfg
     fp = target_fingerprint(target_dir)
@@ -187,7 +209,7 @@ def export_eagle3(
         }
     else:
         raise DraftFormatError(f"unknown Eagle-3 format {fmt!r}; use 'speculators' or 'eagle'")
-    sd = eagle3_state_dict(head, fmt)
+    sd = eagle3_state_dict(head, fmt, model_dtype(target_dir) if dtype is None else dtype_name(dtype))
     info = {
         "method": "eagle3",
         "format": fmt,

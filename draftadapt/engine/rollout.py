@@ -17,9 +17,10 @@ import statistics
 import tempfile
 import time
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -28,7 +29,9 @@ from draftadapt.drafts.formats import (
     WEIGHTS_FILE,
     DraftFormatError,
     check_draft_for_target,
+    dtype_name,
     identity_mismatch,
+    model_dtype,
     read_hf_config,
     target_fingerprint,
 )
@@ -146,10 +149,13 @@ class RolloutEngine:
         enforce_eager: bool = True,
         in_process: bool | None = None,
         block_size: int | None = None,
+        dtype: str | torch.dtype | None = None,
     ):
         """``in_process`` runs vLLM's engine core and worker in this process (uni executor)
         instead of two child processes; None = on CPU only. ``block_size``: KV cache block in
-        tokens (None: vLLM's, 128 on CPU; a multiple of 32 there). Measured on a 2-core CPU
+        tokens (None: vLLM's, 128 on CPU; a multiple of 32 there). ``dtype``: the weights' dtype
+        in the engine; None follows the target's config (``dtype``/``torch_dtype``, float32 when
+        it names none), where vLLM's own "auto" would serve a float32 model in bf16. Measured on a 2-core CPU
         (scripts/bench_engine.py, 32 and 64 prompts): 1.1-1.6x the tokens/s of the multiprocess
         engine without speculation and ~1.5x with it, because the engine core otherwise spins on one core
         waiting for the worker, which then gets the other core alone. ``threads`` is then this
@@ -167,6 +173,7 @@ class RolloutEngine:
         # Checks that vLLM would otherwise fail on late and cryptically (or not at all); the
         # target's identity is what every swapped-in draft is held against.
         self._target_fp = target_fingerprint(self.target)
+        self.dtype = model_dtype(self.target) if dtype is None else dtype_name(dtype)
         self._draft_ref_shapes: dict[str, tuple[int, ...]] | None = None
         self.draft_dir: Path | None = None
         meta: dict[str, Any] = {}
@@ -214,7 +221,7 @@ class RolloutEngine:
                 max_model_len=max_model_len,
                 max_num_seqs=max_num_seqs,
                 seed=seed,
-                dtype="float32",
+                dtype=self.dtype,
                 enforce_eager=enforce_eager,
                 disable_log_stats=False,
                 worker_extension_cls=WORKER_EXT,
@@ -326,9 +333,9 @@ class RolloutEngine:
             raise DraftSwapError(f"{meta_path} is corrupt ({exc}); not swapped") from None
         if not isinstance(meta, dict):
             raise DraftSwapError(f"{meta_path} is not a JSON object; not swapped")
-        # The worker hashes the bytes it loads against this before touching the draft (one read
-        # and one hash per swap, of exactly what is loaded). Without it nothing would catch
-        # bytes changed after export.
+        # The worker hashes the file against this before touching the draft (one mapped pass per
+        # swap; a published version is never rewritten in place, DraftStore publishes by rename).
+        # Without it nothing would catch bytes changed after export.
         sha = meta.get("sha256")
         if not isinstance(sha, str) or not sha:
             raise DraftSwapError(
@@ -398,34 +405,32 @@ class RolloutEngine:
 
     # ------------------------------------------------------------------ policy update
 
-    def update_policy(self, weights: str | Path | dict[str, torch.Tensor], version: int | None = None) -> dict[str, Any]:
+    def update_policy(self, weights: str | Path | dict[str, torch.Tensor], version: int | None = None,
+                      checks: bool = False) -> dict[str, Any]:
         """Load new policy (target) weights in place and reset the prefix cache.
 
-        ``weights``: a safetensors file of HF-named tensors, or such a state dict (written to a
-        temporary file: RPC arguments must be paths). Stale prefix-cache KV would corrupt logprobs,
-        so the cache is reset. Returns the policy checksum and the draft state read back after it.
+        ``weights``: a safetensors file of HF-named tensors, or such a state dict in any float
+        dtype (the engine casts each tensor into its own parameter, so a bf16 trainer's tensors
+        stay bf16 until they land). An in-process engine takes the dict's tensors as they are, no
+        copy and no file; a multiprocess one gets one file (:func:`policy_file`; to update several
+        engines from one file, :func:`update_policies`). Stale prefix-cache KV would corrupt
+        logprobs, so the cache is reset. ``checks``: also read back the policy checksum and the
+        draft's state (a pass over the weights; off on the RL hot path, docs/design.md "Weight
+        path"). Returns {"ms", "worker_ms"} and, with checks, "policy_checksum" and "draft".
         """
         t0 = time.perf_counter()
-        tmp = None
-        if isinstance(weights, dict):
-            from safetensors.torch import save_file
-
-            fd, tmp = tempfile.mkstemp(suffix=".safetensors", prefix="draftadapt-policy-")
-            os.close(fd)
-            save_file({k: v.detach().to(torch.float32).contiguous() for k, v in weights.items()}, tmp)
-            path = tmp
+        if isinstance(weights, dict) and self.in_process:
+            result = self._rpc("da_load_policy", {k: v.detach() for k, v in weights.items()}, None, checks)
+        elif isinstance(weights, dict):
+            with policy_file(weights) as path:
+                result = self._rpc("da_load_policy", str(path), None, checks)
         else:
-            path = str(weights)
-        try:
-            result = self._rpc("da_load_policy", path, None)
-        finally:
-            if tmp is not None:
-                Path(tmp).unlink(missing_ok=True)
+            result = self._rpc("da_load_policy", str(weights), None, checks)
         self.llm.reset_prefix_cache()
         if version is not None:
             self.policy_version = version
         result["ms"] = (time.perf_counter() - t0) * 1e3
-        if self.draft_dir is not None:
+        if checks and self.draft_dir is not None:
             result["draft"] = self.draft_state()
         return result
 
@@ -472,6 +477,40 @@ class RolloutEngine:
 # in-process engines not closed yet (weakly: one dropped unclosed leaves the set by itself); they
 # share this process's distributed groups
 _LIVE_IN_PROCESS: weakref.WeakSet = weakref.WeakSet()
+
+
+@contextmanager
+def policy_file(weights: dict[str, torch.Tensor]) -> Iterator[Path]:
+    """One safetensors file of ``weights`` in their own dtypes, for multiprocess engines, removed
+    on exit. Written to shared memory (/dev/shm) where the machine has it: the worker's read is a
+    memory copy, not a disk read."""
+    from safetensors.torch import save_file
+
+    shm = Path("/dev/shm")
+    where = str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
+    fd, tmp = tempfile.mkstemp(suffix=".safetensors", prefix="draftadapt-policy-", dir=where)
+    os.close(fd)
+    try:
+        save_file({k: v.detach().contiguous() for k, v in weights.items()}, tmp)
+        yield Path(tmp)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+
+
+def update_policies(engines: Sequence[RolloutEngine], weights: dict[str, torch.Tensor], version: int | None = None,
+                    checks: bool = False) -> list[dict[str, Any]]:
+    """The same new policy into several engines: in-process ones take the tensors, and every
+    multiprocess one loads the same single file (written once, not once per engine)."""
+    results: list[dict[str, Any] | None] = [None] * len(engines)
+    remote = [i for i, e in enumerate(engines) if not e.in_process]
+    for i, e in enumerate(engines):
+        if e.in_process:
+            results[i] = e.update_policy(weights, version, checks)
+    if remote:
+        with policy_file(weights) as path:
+            for i in remote:
+                results[i] = engines[i].update_policy(path, version, checks)
+    return results  # type: ignore[return-value]
 
 
 def percentile(values: list[float], q: float) -> float:

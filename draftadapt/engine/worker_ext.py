@@ -1,8 +1,9 @@
 """Methods mixed into every vLLM worker (``worker_extension_cls``), called via ``collective_rpc``.
 
-Arguments are file paths, never tensors (tensor arguments fail to pickle across the RPC:
-``cannot pickle memoryview objects``; docs/design.md, "In-place swaps: layerwise reload"). Weights are loaded in place with vLLM's
-layerwise reload: a plain ``load_weights`` fails on CPU because the CPU GEMM path repacks
+Across a process boundary arguments are file paths, never tensors (tensor arguments fail to
+pickle across the RPC: ``cannot pickle memoryview objects``); an in-process engine's worker takes
+the trainer's tensors themselves (docs/design.md, "Weight path"). Weights are loaded in place with
+vLLM's layerwise reload: a plain ``load_weights`` fails on CPU because the CPU GEMM path repacks
 weights (``Attempted to load weight ... into parameter (torch.Size([0]))``).
 """
 
@@ -16,32 +17,48 @@ from pathlib import Path
 
 import torch
 
-from draftadapt.fileio import bytes_sha256
+
+
+# Elements per slice the checksum widens to float64 at a time: 8 MiB of scratch, whatever the
+# model's size (a whole-tensor float64 copy of an 8B model's embedding alone is 4 GiB).
+CHECKSUM_CHUNK = 1 << 20
 
 
 def module_checksum(module: torch.nn.Module, exclude: set[str] = frozenset()) -> str:
     """A fingerprint of the weights a module serves with, as read back from its parameters.
 
     Layout-independent (CPU GEMM repacking permutes storage but keeps values), so it changes when
-    and only when the values change: per parameter, the float64 sum and sum of squares.
+    and only when the values change: per parameter, the sum and sum of squares, accumulated in
+    float64 over slices of ``CHECKSUM_CHUNK`` elements (O(1) extra memory).
     ``exclude``: parameter names left out (a draft's modules shared with the target).
     """
     h = hashlib.sha256()
     for name, p in sorted(module.named_parameters(), key=lambda kv: kv[0]):
         if p.numel() == 0 or name in exclude:
             continue
-        x = p.detach().to(torch.float64)
-        h.update(f"{name}:{x.sum().item():.9e}:{x.pow(2).sum().item():.9e};".encode())
+        flat = p.detach().reshape(-1)
+        total = torch.zeros((), dtype=torch.float64)
+        squares = torch.zeros((), dtype=torch.float64)
+        for start in range(0, flat.numel(), CHECKSUM_CHUNK):
+            x = flat[start:start + CHECKSUM_CHUNK].to(torch.float64)
+            total += x.sum()
+            squares += torch.dot(x, x)
+        h.update(f"{name}:{total.item():.9e}:{squares.item():.9e};".encode())
     return h.hexdigest()[:16]
 
 
 def _read_checkpoint(path: str, sha256: str | None) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load
+    """The tensors of a safetensors file, hashed against ``sha256`` first. The file is mapped,
+    not read into a bytes copy: hashing and loading touch the page cache only."""
+    import mmap
 
-    data = Path(path).read_bytes()
-    if sha256 is not None and bytes_sha256(data) != sha256:
-        raise ValueError(f"{path}: sha256 does not match the manifest; refusing to load it")
-    return load(data)
+    from safetensors.torch import load_file
+
+    if sha256 is not None:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as view:
+            if hashlib.sha256(view).hexdigest() != sha256:
+                raise ValueError(f"{path}: sha256 does not match the manifest; refusing to load it")
+    return load_file(path)
 
 
 # vLLM's layerwise reload warns "<module class>: Failed to load weights" for every module the
@@ -158,12 +175,19 @@ class DraftAdaptWorkerExtension:
         return {"checksum": module_checksum(draft, shared), "version": version, "worker_ms": ms,
                 "shared": sorted(shared)}
 
-    def da_load_policy(self, path: str, sha256: str | None) -> dict:
+    def da_load_policy(self, weights: str | dict[str, torch.Tensor], sha256: str | None, checksum: bool = False) -> dict:
+        """New policy weights, in place: a safetensors path, or (in-process engine) the trainer's
+        tensors themselves, in any float dtype (the loader copies each into its parameter's).
+        ``checksum``: also read the served weights back (a pass over the whole model)."""
         t0 = time.perf_counter()
         model = self.get_model()
-        weights = _read_checkpoint(path, sha256)
+        if isinstance(weights, str):
+            weights = _read_checkpoint(weights, sha256)
         self._da_reload(model, weights, self.vllm_config.model_config)
-        return {"policy_checksum": module_checksum(model), "worker_ms": (time.perf_counter() - t0) * 1e3}
+        out = {"worker_ms": (time.perf_counter() - t0) * 1e3}
+        if checksum:
+            out["policy_checksum"] = module_checksum(model)
+        return out
 
     def da_policy_checksum(self) -> str:
         return module_checksum(self.get_model())

@@ -137,7 +137,7 @@ def test_policy_update_in_place_keeps_draft(engine, toy_target):
 
     g = torch.Generator().manual_seed(0)
     moved = {k: v + 0.05 * torch.randn(v.shape, generator=g) if v.dim() == 2 else v for k, v in original.items()}
-    result = engine.update_policy(moved)
+    result = engine.update_policy(moved, checks=True)
     assert result["policy_checksum"] != policy_before
     # the head shares the target's embed_tokens (by design, written in its manifest); everything
     # the draft owns is untouched by the policy update
@@ -146,11 +146,42 @@ def test_policy_update_in_place_keeps_draft(engine, toy_target):
     changed = engine.generate(prompts, temperature=0.0, max_tokens=48)
     assert [r.token_ids for r in changed.rollouts] != [r.token_ids for r in base.rollouts]
 
-    restored = engine.update_policy(original)
+    restored = engine.update_policy(original, checks=True)
     assert restored["policy_checksum"] == policy_before
     assert restored["draft"]["checksum"] == draft_before["checksum"]
     again = engine.generate(prompts, temperature=0.0, max_tokens=48)
     assert [r.token_ids for r in again.rollouts] == [r.token_ids for r in base.rollouts]
+
+
+def test_policy_tensors_go_in_as_they_are_in_any_dtype(engine, toy_target, tmp_path, monkeypatch):
+    """An in-process engine takes the trainer's tensors: no file is written, and bf16 tensors
+    serve exactly as the same values loaded from a file (the engine casts into its own dtype)."""
+    import draftadapt.engine.rollout as rollout
+    from safetensors.torch import save_file
+
+    assert engine.in_process and engine.dtype == "float32"  # the toy target says float32
+    prompts = toy_prompts(toy_target, 8)
+    original = load_file(str(toy_target / WEIGHTS_FILE))
+    as_bf16 = {k: v.to(torch.bfloat16) for k, v in original.items()}
+    rounded = tmp_path / "rounded.safetensors"
+    save_file({k: v.float() for k, v in as_bf16.items()}, str(rounded))
+
+    def no_file(_weights):
+        raise AssertionError("an in-process update wrote a policy file")
+
+    monkeypatch.setattr(rollout, "policy_file", no_file)
+    try:
+        engine.update_policy(as_bf16)
+        from_tensors = engine.generate(prompts, temperature=0.0, max_tokens=48)
+        checksum_tensors = engine.policy_checksum()
+        engine.update_policy(rounded)
+        from_file = engine.generate(prompts, temperature=0.0, max_tokens=48)
+        assert engine.policy_checksum() == checksum_tensors
+        assert [r.token_ids for r in from_tensors.rollouts] == [r.token_ids for r in from_file.rollouts]
+        # the trainer's tensors are the engine's inputs, never modified by the load
+        assert all(torch.equal(as_bf16[k], original[k].to(torch.bfloat16)) for k in original)
+    finally:
+        engine.update_policy(original)
 
 
 def test_engine_refuses_unfit_drafts(toy_target, known_target, tmp_path):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -104,6 +105,19 @@ def test_greedy_follows_the_argmax_chain(spec_engine, known_target):
             assert b == int(P[a].argmax())
     # the draft is the target: every proposal is accepted under greedy decoding
     assert spec.acceptance_length == pytest.approx(K + 1, abs=0.05)
+
+
+def test_policy_update_from_a_state_dict_reaches_either_executor(spec_engine, known_target):
+    """In-process: the tensors themselves; multiprocess: one file in shared memory, removed after."""
+    original = load_file(str(known_target / WEIGHTS_FILE))
+    before = spec_engine.policy_checksum()
+    moved = {k: v * 1.01 if v.is_floating_point() else v for k, v in original.items()}
+    assert spec_engine.update_policy(moved, checks=True)["policy_checksum"] != before
+    assert spec_engine.update_policy(original, checks=True)["policy_checksum"] == before
+    assert not list(Path("/dev/shm").glob("draftadapt-policy-*"))
+    seqs, _ = _sample(spec_engine, n_seqs=4, max_tokens=24, temperature=0.0)
+    P = transition_matrix(64)
+    assert all(b == int(P[a].argmax()) for seq in seqs for a, b in zip(seq, seq[1:]))
 
 
 def test_speculative_sampling_matches_the_target_distribution(spec_engine, tmp_path, self_draft):
