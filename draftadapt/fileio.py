@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import tempfile
+from collections import OrderedDict
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -25,12 +26,39 @@ def _current_umask() -> int:
 _UMASK = _current_umask()
 
 
+# Digests this process computed, by file identity (device, inode, size, mtime and ctime in ns):
+# a file this process wrote and hashed (a draft it just published) is not hashed again when this
+# process loads it. A rename keeps the identity; any write to the file changes it.
+_DIGESTS: OrderedDict[tuple[int, ...], str] = OrderedDict()
+_MAX_DIGESTS = 256
+
+
+def _identity(path: str | Path) -> tuple[int, ...]:
+    st = os.stat(path)
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
 def file_sha256(path: str | Path, chunk: int = 1 << 20) -> str:
+    ident = _identity(path)
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(chunk):
             h.update(block)
-    return h.hexdigest()
+    digest = h.hexdigest()
+    if _identity(path) == ident:  # unchanged while it was read: the digest is this file's
+        _DIGESTS[ident] = digest
+        _DIGESTS.move_to_end(ident)
+        while len(_DIGESTS) > _MAX_DIGESTS:
+            _DIGESTS.popitem(last=False)
+    return digest
+
+
+def known_sha256(path: str | Path) -> str | None:
+    """The sha256 this process computed for exactly this file, if it did (else None)."""
+    try:
+        return _DIGESTS.get(_identity(path))
+    except OSError:
+        return None
 
 
 def bytes_sha256(data: bytes) -> str:

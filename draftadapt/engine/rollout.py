@@ -150,12 +150,16 @@ class RolloutEngine:
         in_process: bool | None = None,
         block_size: int | None = None,
         dtype: str | torch.dtype | None = None,
+        logprobs_mode: str = "raw_logprobs",
     ):
         """``in_process`` runs vLLM's engine core and worker in this process (uni executor)
         instead of two child processes; None = on CPU only. ``block_size``: KV cache block in
         tokens (None: vLLM's, 128 on CPU; a multiple of 32 there). ``dtype``: the weights' dtype
         in the engine; None follows the target's config (``dtype``/``torch_dtype``, float32 when
-        it names none), where vLLM's own "auto" would serve a float32 model in bf16. Measured on a 2-core CPU
+        it names none), where vLLM's own "auto" would serve a float32 model in bf16.
+        ``logprobs_mode``: vLLM's; "raw_logprobs" are the model's (before temperature and top-p),
+        "processed_logprobs" those of the distribution actually sampled from (what an RL
+        trainer's importance ratio needs at a temperature other than 1). Measured on a 2-core CPU
         (scripts/bench_engine.py, 32 and 64 prompts): 1.1-1.6x the tokens/s of the multiprocess
         engine without speculation and ~1.5x with it, because the engine core otherwise spins on one core
         waiting for the worker, which then gets the other core alone. ``threads`` is then this
@@ -222,6 +226,7 @@ class RolloutEngine:
                 max_num_seqs=max_num_seqs,
                 seed=seed,
                 dtype=self.dtype,
+                logprobs_mode=logprobs_mode,
                 enforce_eager=enforce_eager,
                 disable_log_stats=False,
                 worker_extension_cls=WORKER_EXT,
@@ -314,9 +319,11 @@ class RolloutEngine:
 
     # ------------------------------------------------------------------ draft swap
 
-    def draft_state(self) -> dict[str, Any]:
-        """{"checksum", "version"} of the draft that serves now, read back from the worker."""
-        return self._rpc("da_draft_state")
+    def draft_state(self, full: bool = False) -> dict[str, Any]:
+        """{"checksum", "version"} of the draft that serves now, read back from the worker.
+        ``full``: a checksum of every element rather than the sampled fingerprint (see
+        ``worker_ext.module_checksum``); the two are not comparable with each other."""
+        return self._rpc("da_draft_state", full)
 
     def _validate_draft_file(self, draft_dir: Path, rollback: bool) -> tuple[Path, str, int | None, dict]:
         """Everything about a published draft that can be checked without loading it; raises
@@ -434,8 +441,8 @@ class RolloutEngine:
             result["draft"] = self.draft_state()
         return result
 
-    def policy_checksum(self) -> str:
-        return self._rpc("da_policy_checksum")
+    def policy_checksum(self, full: bool = False) -> str:
+        return self._rpc("da_policy_checksum", full)
 
     @property
     def live_checksum(self) -> str | None:

@@ -57,12 +57,14 @@ class SpeculativeRollouts:
     loads its own copy); draft_dir: an Eagle-3 head or draft LM for it (None: no speculation);
     out_dir: where the adapter publishes draft versions; adapter_cfg: the adapter's settings (its
     temperature and k are set from the trainer and ``k``); engine_kwargs: more RolloutEngine
-    arguments (max_model_len, max_num_seqs, kv_cache_gib, threads, ...).
+    arguments (max_model_len, max_num_seqs, kv_cache_gib, threads, ...); check_integrity: read the
+    draft's fingerprint back after every weight sync and repair a lost draft (a sampled pass over
+    the draft's weights; False skips it).
     """
 
     def __init__(self, policy_dir: str | Path, draft_dir: str | Path | None, out_dir: str | Path = "runs/drafts",
                  adapter_cfg=None, method: str = "eagle3", k: int = 3, adapt: bool = True,
-                 engine_kwargs: dict[str, Any] | None = None):
+                 engine_kwargs: dict[str, Any] | None = None, check_integrity: bool = True):
         from draftadapt.engine.rollout import RolloutEngine
 
         self.policy_dir = Path(policy_dir)
@@ -70,9 +72,13 @@ class SpeculativeRollouts:
         self.out_dir = Path(out_dir)
         self.method, self.k = method, k
         self.adapt = adapt and draft_dir is not None
+        self.check_integrity = check_integrity
         self._adapter_cfg = adapter_cfg
+        # log-probs of the distribution sampled from (after temperature and top_p), as TRL's own
+        # recomputation divides by its temperature: raw ones would differ at any T != 1
+        engine_kwargs = {"logprobs_mode": "processed_logprobs", **(engine_kwargs or {})}
         self.engine = RolloutEngine(self.policy_dir, self.draft_dir, method=method, num_speculative_tokens=k,
-                                    **(engine_kwargs or {}))
+                                    **engine_kwargs)
         self.adapter = None
         self.trainer = None
         self._hooks: list = []
@@ -159,7 +165,8 @@ class SpeculativeRollouts:
             return
         t0 = time.perf_counter()
         a = self.adapter
-        self._window.add("draft/integrity_ok", float(a.check_integrity(self.engine)))
+        if self.check_integrity:
+            self._window.add("draft/integrity_ok", float(a.check_integrity(self.engine)))
         ho, self._handover = self._handover, None
         ho.__exit__(None, None, None)
         kept = sorted(ho.rows)  # rollouts TRL's forward covered (a masked-out one is not)

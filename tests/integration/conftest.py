@@ -12,12 +12,14 @@ from pathlib import Path
 
 import pytest
 
+from draftadapt.adapter import AdapterConfig, ScheduleConfig
 from draftadapt.drafts.formats import META_FILE, WEIGHTS_FILE
 from draftadapt.engine.rollout import RolloutEngine
 from draftadapt.fileio import file_sha256
 from draftadapt.spool import SpoolWriter
 from draftadapt.toy.model import ToyModelConfig, build_model
 from draftadapt.toy.tokenizer import build_tokenizer
+from draftadapt.train.trainer import TrainConfig
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -87,6 +89,13 @@ def tiny_target(path: Path) -> Path:
     model.save_pretrained(str(path))
     build_tokenizer().save_pretrained(str(path))
     return path
+
+
+def small_cfg(k: int = 3) -> AdapterConfig:
+    """An adapter that trains a few steps per round on small batches, every round."""
+    tc = TrainConfig(lr=3e-3, warmup_steps=0, schedule="constant", threads=1)
+    return AdapterConfig(method="eagle3", k=k, batch_size=8, train=tc,
+                         schedule=ScheduleConfig(every_n_steps=1, drift_fraction=0.0, train_steps=3, min_sequences=8))
 
 
 def write_shard(writer: SpoolWriter, step: int, rng: random.Random, n: int = 12) -> Path:

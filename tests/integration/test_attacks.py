@@ -24,16 +24,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from draftadapt.adapter import AdapterConfig, DraftAdapter, ScheduleConfig
+from draftadapt.adapter import DraftAdapter
 from draftadapt.data.store import DraftStore
 from draftadapt.drafts.formats import META_FILE, WEIGHTS_FILE
 from draftadapt.drafts.init import init_draft
 from draftadapt.engine.rollout import DraftSwapError
 from draftadapt.spool import SpoolCursor, SpoolReader, SpoolWriter
 from draftadapt.toy.model import build_model
-from draftadapt.train.trainer import TrainConfig
 
-from .conftest import REPO, TINY, edit_manifest, flipped_copy, start_engine, start_sidecar, stop_engine, tiny_target, toy_prompts, write_shard
+from .conftest import REPO, TINY, edit_manifest, small_cfg, flipped_copy, start_engine, start_sidecar, stop_engine, tiny_target, toy_prompts, write_shard
 
 pytestmark = pytest.mark.integration
 K = 3
@@ -154,12 +153,6 @@ def test_no_stale_draft_state_after_a_swap(world, tmp_path):
 
 
 # ---------------------------------------------------------------------- the adapter's door
-
-
-def small_cfg() -> AdapterConfig:
-    tc = TrainConfig(lr=3e-3, warmup_steps=0, schedule="constant", threads=1)
-    return AdapterConfig(method="eagle3", k=K, batch_size=8, train=tc,
-                         schedule=ScheduleConfig(every_n_steps=1, drift_fraction=0.0, train_steps=3, min_sequences=8))
 
 
 def toy_rollouts(n: int, seed: int) -> list[tuple[list[int], list[int]]]:

@@ -91,8 +91,12 @@ def self_draft(known_target, tmp_path_factory):
 @pytest.fixture(scope="module", params=[True, False], ids=["in_process", "multiprocess"])
 def spec_engine(request, known_target, self_draft):
     """Both executors: in this process (the CPU default) and vLLM's engine-core and worker
-    processes, where the sampling fix must be applied by the plugin in each child."""
-    eng = start_engine(known_target, self_draft, method="draft_model", k=K, in_process=request.param)
+    processes, where the sampling fix must be applied by the plugin in each child. The in-process
+    one returns processed log-probs (what the TRL integration serves with), the other raw ones:
+    both modes go through the same checks."""
+    mode = "processed_logprobs" if request.param else "raw_logprobs"
+    eng = start_engine(known_target, self_draft, method="draft_model", k=K, in_process=request.param,
+                       logprobs_mode=mode)
     yield eng
     stop_engine(eng)
 

@@ -26,7 +26,9 @@ def quick_head(toy_target, tmp_path_factory) -> Path:
     return pretrain_toy_head(toy_target, tmp_path_factory.mktemp("trl") / "eagle3", 24)
 
 
-def test_engine_logprobs_match_trls_recomputed_logprobs_with_speculation_on(toy_target, quick_head, tmp_path):
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_engine_logprobs_match_trls_recomputed_logprobs_with_speculation_on(toy_target, quick_head, tmp_path,
+                                                                            temperature):
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
@@ -51,7 +53,7 @@ def test_engine_logprobs_match_trls_recomputed_logprobs_with_speculation_on(toy_
         assert host_state() == before, "constructing the adapter changed the host's state"
         args = GRPOConfig(
             output_dir=str(tmp_path / "trl"), use_cpu=True, use_vllm=False, max_steps=1, seed=0,
-            per_device_train_batch_size=32, num_generations=4, max_completion_length=64, temperature=1.0,
+            per_device_train_batch_size=32, num_generations=4, max_completion_length=64, temperature=temperature,
             # generation every 2 micro-steps with 1 accumulation step: TRL then recomputes the
             # sampling policy's log-probs (old_per_token_logps) with its own forward
             steps_per_generation=2, report_to=[], save_strategy="no", log_level="warning")

@@ -15,22 +15,66 @@ def _module(seed: int = 0) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(37, 53), torch.nn.LayerNorm(53), torch.nn.Linear(53, 11))
 
 
-def test_checksum_in_slices_sees_every_element(monkeypatch):
+def test_full_checksum_in_slices_sees_every_element(monkeypatch):
     """Slices far smaller than a tensor: still a function of every value, and of nothing else."""
     monkeypatch.setattr(worker_ext, "CHECKSUM_CHUNK", 7)
     m = _module()
-    first = module_checksum(m)
-    assert module_checksum(m) == first
-    assert module_checksum(_module()) == first  # same values, other storage
+    first = module_checksum(m, full=True)
+    assert module_checksum(m, full=True) == first
+    assert module_checksum(_module(), full=True) == first  # same values, other storage
     with torch.no_grad():
-        m[0].weight.view(-1)[-1] += 1e-3  # the last element of the last slice
-    assert module_checksum(m) != first
+        m[0].weight.view(-1)[-2] += 1e-3  # inside the last slice, not an extreme value
+    assert module_checksum(m, full=True) != first
     with torch.no_grad():
-        m[0].weight.view(-1)[-1] -= 1e-3
-    assert module_checksum(m) == first
+        m[0].weight.view(-1)[-2] -= 1e-3
+    assert module_checksum(m, full=True) == first
     # a bf16 copy has other values (rounded), so another checksum; its own is stable
     half = _module().to(torch.bfloat16)
-    assert module_checksum(half) == module_checksum(half) != first
+    assert module_checksum(half, full=True) == module_checksum(half, full=True) != first
+
+
+def test_sampled_fingerprint_sees_what_a_lost_draft_looks_like(monkeypatch):
+    """The routine fingerprint: a sample of each parameter plus its min and max over all of it."""
+    monkeypatch.setattr(worker_ext, "CHECKSUM_SAMPLE", 16)
+    m = _module()
+    first = module_checksum(m)
+    assert module_checksum(_module()) == first and module_checksum(m) != module_checksum(m, full=True)
+    w = m[0].weight.view(-1)  # 37 x 53 elements, every 123rd sampled
+    for change in (lambda: w.mul_(1.001),  # reloaded from other weights
+                   lambda: w.zero_(),  # zeroed, freed
+                   lambda: w.__setitem__(5, float("nan")),  # an unsampled element gone bad
+                   lambda: w.__setitem__(7, 10.0)):  # an unsampled element out of range
+        with torch.no_grad():
+            saved = w.clone()
+            change()
+            assert module_checksum(m) != first
+            w.copy_(saved)
+    assert module_checksum(m) == first
+
+
+def test_all_finite_finds_nan_and_inf_anywhere():
+    x = torch.randn(1000).to(torch.bfloat16)
+    assert worker_ext.all_finite(x) and worker_ext.all_finite(torch.arange(4))
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        y = x.clone()
+        y[517] = bad
+        assert not worker_ext.all_finite(y)
+
+
+def test_a_file_this_process_hashed_is_known_until_it_changes(tmp_path):
+    from draftadapt.fileio import file_sha256, known_sha256
+
+    (tmp_path / "tmp-v1").mkdir()
+    f = tmp_path / "tmp-v1" / "w.bin"
+    f.write_bytes(b"x" * 100)
+    assert known_sha256(f) is None
+    digest = file_sha256(f)
+    (tmp_path / "tmp-v1").rename(tmp_path / "v1")  # a store publishes a version dir by rename
+    moved = tmp_path / "v1" / "w.bin"
+    assert known_sha256(moved) == digest
+    with open(moved, "r+b") as fh:  # rewritten in place, same size
+        fh.write(b"y")
+    assert known_sha256(moved) is None
 
 
 def test_checksum_skips_excluded_and_empty_parameters():
