@@ -108,7 +108,6 @@ class AdapterConfig:
     replay_max_tokens: int = 200_000  # bound of the replay buffer in tokens
     replay_max_bytes: int = 512 << 20  # and in bytes (handed-over hidden states count)
     recency_decay: float = 0.5  # sampling weight of a sequence = decay ** (newest version - its version)
-    batch_size: int = 32  # sequences per capture / optimizer step
     # Regroup one training round's draws by length (same sequences, same number of steps): each
     # batch pads to its own longest sequence instead of to the longest of a random mix.
     group_by_length: bool = True
@@ -117,10 +116,12 @@ class AdapterConfig:
     # = the adapter's current policy copy (recaptured, one forward per batch). Rollouts observed
     # without a hand-over are always captured against the current policy.
     targets: str = "sampling"
-    seed: int = 0
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     validate_cfg: ValidateConfig = field(default_factory=ValidateConfig)
     # Online fine-tuning of an already trained draft: a gentler, constant rate than pretraining.
+    # train.batch_size is the sequences per capture / optimizer step and train.seed seeds the
+    # replay draws too: one setting each (``k`` is what the engine drafts, for scoring; the
+    # training depth is train.ttt_steps).
     train: TrainConfig = field(default_factory=lambda: TrainConfig(lr=3e-4, warmup_steps=0, schedule="constant"))
 
     def validate(self) -> None:
@@ -132,6 +133,7 @@ class AdapterConfig:
             raise ConfigError(f"adapter.k >= 1 and adapter.temperature > 0 (got {self.k}, {self.temperature})")
         self.schedule.validate()  # also when built in code, not only through load_config
         self.validate_cfg.validate()
+        self.train.validate()
 
 
 def group_by_length(batches: list[list[ReplayItem]], rng: random.Random) -> list[list[ReplayItem]]:
@@ -266,7 +268,7 @@ class DraftAdapter:
         self.store = DraftStore(out_dir)
         self._publish_dtype = model_dtype(self.policy_dir)  # published drafts follow the target's dtype
         self._resume_path = Path(out_dir) / RESUME_FILE
-        self.rng = random.Random(self.cfg.seed)
+        self.rng = random.Random(self.cfg.train.seed)
         self.trigger = DriftTrigger(self.cfg.schedule)
         # engine -> (checksum read back after our swap, the draft dir it came from)
         self._swapped_in: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -474,7 +476,7 @@ class DraftAdapter:
 
     def _train_block(self, train: list[ReplayItem], n: int) -> dict[str, float]:
         """``n`` optimizer steps on batches drawn from ``train`` (recent versions weighted up)."""
-        bs = self.cfg.batch_size
+        bs = self.cfg.train.batch_size
         picks = [self.replay.sample(n_seqs=bs, rng=self.rng, items=train) for _ in range(n)]
         if self.cfg.group_by_length:
             picks = group_by_length(picks, self.rng)
@@ -492,7 +494,7 @@ class DraftAdapter:
     def step(self, force: bool = False) -> dict[str, float]:
         """Train if the schedule says so, validate, and publish a better draft. Returns metrics."""
         due, why = self.trigger.due(len(self.replay), lambda: self.score(self.live_draft(), self._batches(
-            self.replay.heldout(), self.cfg.batch_size)))
+            self.replay.heldout(), self.cfg.train.batch_size)))
         metrics: dict[str, float] = {"adapt/trained": 0.0, "adapt/published": 0.0, "adapt/rejected": 0.0}
         if not (due or force and len(self.replay) > 0):
             metrics["adapt/skipped"] = 1.0
@@ -511,7 +513,7 @@ class DraftAdapter:
         # Both drafts are scored on the same held-out rollouts, captured once: a score remembered
         # from an older policy is not comparable (when the policy moves fast every score falls,
         # and a stale live score would reject every candidate).
-        held = self._batches(heldout, self.cfg.batch_size)
+        held = self._batches(heldout, self.cfg.train.batch_size)
         live = self.score(self.live_draft(), held)
         self.refresh_shared_embeddings()
         sched = self.cfg.schedule
@@ -605,16 +607,13 @@ class DraftAdapter:
     # ------------------------------------------------------------------ engine side
 
     def swap(self, engine) -> Any:
-        """Put the newest published draft the engine may serve into it, in place.
-
-        Never a draft trained on a newer policy than ``engine.policy_version`` (asynchronous RL:
-        the engine may still serve v-1 while the adapter has trained against v).
-        """
-        latest = self.store.latest(max_policy_version=engine.policy_version)
-        if latest is None or latest.version == engine.draft_version:
+        """Put the newest published draft the engine may serve into it, in place
+        (:meth:`DraftStore.swap_newest_into`: never one trained on a newer policy than the engine
+        serves, never an older version than it served). Returns the SwapResult or None."""
+        res = self.store.swap_newest_into(engine)
+        if res is None:
             return None
-        res = engine.swap_draft(latest.path)
-        self._swapped_in[engine] = (res.checksum, latest.path)
+        self._swapped_in[engine] = (res.checksum, engine.draft_dir)
         if self.logger is not None:
             self.logger.log_dict({"swap/ms": res.ms, "draft/version": float(res.version)}, step=self.policy_version)
         return res

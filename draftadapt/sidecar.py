@@ -168,17 +168,10 @@ class Sidecar:
 
 
 def pick_up_latest(engine, out: str | Path):
-    """Engine side, between generate calls: swap in the newest complete draft the engine may serve.
-
-    Never a version it already serves or an older one, never a draft trained on a newer policy than
-    ``engine.policy_version``. Returns the SwapResult, or None when there is nothing newer.
-    """
-    store = DraftStore(out, readonly=True)
-    current = engine.draft_version if engine.draft_version is not None else -1
-    latest = store.latest(max_policy_version=engine.policy_version, newer_than=current)
-    if latest is None:
-        return None
-    return engine.swap_draft(latest.path)
+    """Engine side, between generate calls: swap in the newest draft the sidecar published that
+    the engine may serve (:meth:`DraftStore.swap_newest_into`, the same path the in-process
+    adapter swaps through). Returns the SwapResult, or None when there is nothing newer."""
+    return DraftStore(out, readonly=True).swap_newest_into(engine)
 
 
 def sidecar_cli(spool: str, out: str, target: str, draft: str, config: str | None, overrides: list[str]) -> int:

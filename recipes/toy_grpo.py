@@ -108,7 +108,7 @@ class DemoConfig:
     # 3.41 at 1.7x the time. Smaller steps learned faster per token in pretraining too. The
     # validation gate turns down the early candidates the higher rate makes worse.
     adapter: AdapterConfig = field(default_factory=lambda: AdapterConfig(
-        batch_size=16, schedule=ScheduleConfig(train_steps=20), train=replace(AdapterConfig().train, lr=2e-3)))
+        schedule=ScheduleConfig(train_steps=20), train=replace(AdapterConfig().train, lr=2e-3, batch_size=16)))
 
 
 def token_logprobs(model, batch: dict, handover=None, index=None) -> torch.Tensor:

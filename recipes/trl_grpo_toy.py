@@ -70,7 +70,7 @@ class TRLToyConfig:
     baseline_steps: int = 4
     # The demo's online schedule (recipes/toy_grpo.py, DemoConfig.adapter explains it).
     adapter: AdapterConfig = field(default_factory=lambda: AdapterConfig(
-        batch_size=16, schedule=ScheduleConfig(train_steps=20), train=replace(AdapterConfig().train, lr=2e-3)))
+        schedule=ScheduleConfig(train_steps=20), train=replace(AdapterConfig().train, lr=2e-3, batch_size=16)))
 
 
 def prepare_world(cfg, out: Path) -> tuple[Path, Path]:

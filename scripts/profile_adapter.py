@@ -1,7 +1,7 @@
 """Profile one DraftAdapter round on a recorded run: where an adapter step's time goes.
 
     python scripts/profile_adapter.py --spool SPOOL --target POLICY_DIR --draft DRAFT_DIR \\
-        [--steps 3] [--top 25] [--set "batch_size=16 schedule.train_steps=20"] [--no-handover]
+        [--steps 3] [--top 25] [--set "train.batch_size=16 schedule.train_steps=20"] [--no-handover]
 
 Replays the first ``--steps`` recorded RL steps into an adapter (observe, update_policy, step),
 as scripts/replay_adapter.py does, then runs one more step under cProfile and prints the

@@ -1,7 +1,7 @@
 """Replay a recorded RL run through adapter configs, offline, and score each on what came next.
 
     python scripts/replay_adapter.py --spool SPOOL --target POLICY_DIR --draft DRAFT_DIR \\
-        --try "" --try "batch_size=16 schedule.train_steps=20 train.lr=2e-3" [--last 4] [--json]
+        --try "" --try "train.batch_size=16 schedule.train_steps=20 train.lr=2e-3" [--last 4] [--json]
 
 SPOOL is a spool directory an RL run wrote (``draftadapt.spool.SpoolWriter``; the demo writes one
 with ``spool=DIR``): rollout shards per step and the policy checkpoint after each step. Every
@@ -52,7 +52,7 @@ def recorded_steps(reader: SpoolReader) -> list[tuple[int, int, list[Sequence]]]
 def eval_batches(adapter: DraftAdapter, seqs: list[Sequence], n: int) -> list[CapturedBatch]:
     """``n`` sequences spread evenly over ``seqs``, captured against the adapter's current policy."""
     picked = sorted(seqs[:: max(1, len(seqs) // n)][:n], key=len)
-    bs = adapter.cfg.batch_size
+    bs = adapter.cfg.train.batch_size
     return [adapter.capture.capture(collate(picked[i: i + bs], adapter.pad_id)) for i in range(0, len(picked), bs)]
 
 
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", required=True, type=Path, help="the policy the run started from (HF dir)")
     ap.add_argument("--draft", required=True, type=Path, help="the draft the run started from")
     ap.add_argument("--try", dest="tries", action="append", default=None,
-                    help='AdapterConfig overrides for one config, e.g. "batch_size=16 train.lr=2e-3" ("" = defaults); repeat')
+                    help='AdapterConfig overrides for one config, e.g. "train.batch_size=16 train.lr=2e-3" ("" = defaults); repeat')
     ap.add_argument("--last", type=int, default=4, help="summarise the mean over the last N scored steps")
     ap.add_argument("--eval-seqs", type=int, default=96, help="sequences of the next step each step is scored on")
     ap.add_argument("--threads", type=int, default=2)

@@ -182,6 +182,29 @@ class DraftStore:
                 return dv
         return None
 
+    @property
+    def lineage(self) -> str | None:
+        """This store's id (``OUT/STORE``), or None before its first publish."""
+        try:
+            lineage = json.loads((self.out_dir / STORE_FILE).read_text())["lineage"]
+        except (FileNotFoundError, json.JSONDecodeError, KeyError, TypeError):
+            return None
+        return lineage if isinstance(lineage, str) and lineage else None
+
+    def swap_newest_into(self, engine):
+        """Engine side, between generate calls: swap this store's newest version the engine may
+        serve into it, in place. Returns the engine's SwapResult, or None when there is nothing to do.
+
+        Never a draft trained on a newer policy than ``engine.policy_version`` (asynchronous RL: the
+        engine may still serve v-1 while the adapter trained against v), never the version of this
+        store the engine serves or an older one. A draft from elsewhere (the engine's starting
+        draft) does not count, whatever its version number: versions compare within a lineage.
+        """
+        lineage = self.lineage
+        served = engine.served_version(lineage) if lineage is not None else None
+        latest = self.latest(max_policy_version=engine.policy_version, newer_than=served)
+        return None if latest is None else engine.swap_draft(latest.path)
+
     def versions(self) -> list[int]:
         """Complete, sha-valid versions, ascending."""
         return [v for v in self._dir_versions() if self.get(v) is not None]

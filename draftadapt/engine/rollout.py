@@ -381,6 +381,10 @@ class RolloutEngine:
             )
         return weights, sha, version, meta
 
+    def served_version(self, lineage: str) -> int | None:
+        """The newest version of store ``lineage`` this engine has served, or None."""
+        return self._newest_served.get(lineage)
+
     def _served(self, meta: dict) -> None:
         lineage, version = meta.get("lineage"), meta.get("version")
         if lineage is not None and isinstance(version, int):

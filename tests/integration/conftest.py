@@ -93,8 +93,8 @@ def tiny_target(path: Path) -> Path:
 
 def small_cfg(k: int = 3) -> AdapterConfig:
     """An adapter that trains a few steps per round on small batches, every round."""
-    tc = TrainConfig(lr=3e-3, warmup_steps=0, schedule="constant", threads=1)
-    return AdapterConfig(method="eagle3", k=k, batch_size=8, train=tc,
+    tc = TrainConfig(lr=3e-3, warmup_steps=0, schedule="constant", threads=1, batch_size=8)
+    return AdapterConfig(method="eagle3", k=k, train=tc,
                          schedule=ScheduleConfig(every_n_steps=1, drift_fraction=0.0, train_steps=3, min_sequences=8))
 
 
@@ -108,7 +108,7 @@ def start_sidecar(spool, out, target, draft, log, *overrides: str) -> subprocess
     """`draftadapt sidecar` as a real process with small rounds (its output goes to ``log``)."""
     cmd = [sys.executable, "-m", "draftadapt.cli", "sidecar", "--spool", str(spool), "--out", str(out),
            "--target", str(target), "--draft", str(draft), "poll_s=0.2", "log=[jsonl]",
-           "adapter.schedule.train_steps=2", "adapter.batch_size=8", "adapter.schedule.min_sequences=8",
+           "adapter.schedule.train_steps=2", "adapter.train.batch_size=8", "adapter.schedule.min_sequences=8",
            "adapter.train.threads=1", *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)

@@ -27,8 +27,9 @@ K = 3
 
 def small_cfg(method: str = "eagle3", **train) -> AdapterConfig:
     """Small rounds: the point here is the control flow against a real engine, not quality."""
-    tc = TrainConfig(lr=train.pop("lr", 3e-3), warmup_steps=0, schedule="constant", threads=1, **train)
-    return AdapterConfig(method=method, k=K, batch_size=8, train=tc,
+    tc = TrainConfig(lr=train.pop("lr", 3e-3), warmup_steps=0, schedule="constant", threads=1,
+                     batch_size=train.pop("batch_size", 8), **train)
+    return AdapterConfig(method=method, k=K, train=tc,
                          schedule=ScheduleConfig(every_n_steps=1, drift_fraction=0.0, train_steps=6, min_sequences=8))
 
 
@@ -74,6 +75,9 @@ def test_train_validate_publish_swap(world, toy_target):
     assert res is not None and res.version == 2 and engine.draft_version == 2
     assert engine.draft_state()["checksum"] == res.checksum
     assert adapter.swap(engine) is None  # already live: nothing to do
+    from draftadapt.sidecar import pick_up_latest
+
+    assert pick_up_latest(engine, world["root"] / "out") is None  # the sidecar's engine side: the same path
     gen = engine.generate(world["prompts"][:8], temperature=1.0, max_tokens=32, seed=2)
     assert gen.spec.drafts > 0
 
@@ -149,7 +153,9 @@ def test_async_never_swaps_in_a_draft_of_a_newer_policy(world, toy_target):
     v+1 waits until the engine serves v+1."""
     engine = world["engine"]
     adapter = DraftAdapter(toy_target, world["draft0"], world["root"] / "async", small_cfg())
-    adapter.swap(engine)  # the run's version 1 (the starting draft) goes live
+    # the run's version 1 (the starting draft) goes live, although the engine served a version 2
+    # of another store: versions compare within a store's lineage only
+    assert adapter.swap(engine).version == 1
     served = engine.policy_version
     adapter.observe(rollouts(world, seed=3), policy_version=served)
     new_weights = policy_weights(toy_target, scale=0.02, seed=1)
