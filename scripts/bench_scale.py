@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -194,6 +195,25 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --dtypes: {exc}; use bfloat16 and/or float32", file=sys.stderr)
         return 2
     rows = []
+    # vLLM logs to stdout: with --json, everything but the one JSON line goes to stderr
+    saved = os.dup(1) if a.json else None
+    if saved is not None:
+        sys.stdout.flush()
+        os.dup2(2, 1)
+    try:
+        rows = run_all(sizes, dtypes, a)
+    finally:
+        if saved is not None:
+            sys.stdout.flush()
+            os.dup2(saved, 1)
+            os.close(saved)
+    if a.json:
+        print(json.dumps({"sizes": rows}))
+    return 0
+
+
+def run_all(sizes: list[str], dtypes: list[torch.dtype], a: argparse.Namespace) -> list[dict]:
+    rows = []
     for size in sizes:
         for dtype in dtypes:
             root = Path(tempfile.mkdtemp(prefix=f"bench-scale-{size}-"))
@@ -209,9 +229,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{row['update_peak_rss_over_model']:.3f}x model | integrity {row['integrity_ms']:6.1f} ms "
                       f"({row['integrity_over_update']:.1%} of update) | swap p50 {row['draft_swap_p50_ms']:6.1f} "
                       f"p95 {row['draft_swap_p95_ms']:6.1f} ms ({row['draft_bytes'] / 1e6:.0f} MB)", flush=True)
-    if a.json:
-        print(json.dumps({"sizes": rows}))
-    return 0
+    return rows
 
 
 if __name__ == "__main__":
