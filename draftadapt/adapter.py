@@ -580,18 +580,13 @@ class DraftAdapter:
 
     def _publish_module(self, module, policy_version: int) -> tuple[int, Any]:
         """Write ``module`` as the next version; returns (version, module in eval mode), now the live draft."""
-        from draftadapt.drafts.formats import export_eagle3
-        from draftadapt.drafts.small_lm import export_small_lm
+        from draftadapt.drafts.init import export_draft
 
-        meta = {"policy_version": int(policy_version)}
+        fmt = self.format if self.format in ("speculators", "eagle") else "speculators"
 
         def write(tmp: Path, version: int) -> None:
-            m = {**meta, "version": version}
-            if self.cfg.method == "eagle3":
-                fmt = self.format if self.format in ("speculators", "eagle") else "speculators"
-                export_eagle3(module, tmp, self.policy_dir, fmt=fmt, num_speculative_tokens=self.cfg.k, meta=m)
-            else:
-                export_small_lm(module, tmp, self.policy_dir, meta=m)
+            export_draft(module, self.cfg.method, tmp, self.policy_dir, fmt=fmt, num_speculative_tokens=self.cfg.k,
+                         meta={"policy_version": int(policy_version), "version": version})
 
         version, _ = self.store.publish(write, policy_version=int(policy_version))
         return version, module.eval()

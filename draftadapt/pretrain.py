@@ -376,14 +376,9 @@ def pretrain(cfg: PretrainConfig) -> dict:
     if is_main:
         meta = {"version": 0, "policy_version": 0,
                 "pretrain": {k: summary[k] for k in ("steps", "acceptance_length_simulated", "per_position_acceptance")}}
-        if cfg.method == "eagle3":
-            from draftadapt.drafts.formats import export_eagle3
+        from draftadapt.drafts.init import export_draft
 
-            export_eagle3(draft_out, out, target, fmt=cfg.draft.format, num_speculative_tokens=cfg.k, meta=meta)
-        else:
-            from draftadapt.drafts.small_lm import export_small_lm
-
-            export_small_lm(draft_out, out, target, meta=meta)
+        export_draft(draft_out, cfg.method, out, target, fmt=cfg.draft.format, num_speculative_tokens=cfg.k, meta=meta)
         if store is not None and not cfg.keep_capture:
             shutil.rmtree(run / "capture", ignore_errors=True)
         summary["seconds"] = round(time.perf_counter() - t_start, 1)
