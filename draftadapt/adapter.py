@@ -51,6 +51,7 @@ from draftadapt.drafts.formats import (
     target_fingerprint,
 )
 from draftadapt.fileio import atomic_path
+from draftadapt.tensors import all_finite
 from draftadapt.train.trainer import DraftTrainer, TrainConfig, score_draft
 
 log = logging.getLogger("draftadapt.adapter")
@@ -317,7 +318,7 @@ class DraftAdapter:
     def _save_resume(self, version: int) -> None:
         state = {"draft_version": version, **self.trainer.resume_state()}
         if self._publish_dtype != "float32":  # the published copy is rounded: keep what training holds
-            state["weights"] = {k: v.detach().clone() for k, v in self.trainer.draft.state_dict().items()}
+            state["weights"] = self.trainer.draft.state_dict()  # torch.save writes them out as they are now
         with atomic_path(self._resume_path) as tmp:
             torch.save(state, tmp)
 
@@ -386,8 +387,9 @@ class DraftAdapter:
             if name == "aux_hidden" and t.shape[1] != width:
                 raise ValueError(f"observe: aux_hidden of rollout {i} is {t.shape[1]} wide; this draft reads "
                                  f"aux layers {self.capture.aux_layer_ids} of the policy, {width} wide together")
-            finite = torch.isfinite(t) if name == "aux_hidden" else ~torch.isnan(t)  # log-probs may be -inf
-            if not bool(finite.all()):
+            # log-probs may be -inf
+            finite = all_finite(t) if name == "aux_hidden" else not bool(torch.isnan(t).any())
+            if not finite:
                 raise ValueError(f"observe: {name} of rollout {i} holds NaN or Inf; not added")
 
     def forget(self, source: str) -> int:
@@ -430,7 +432,7 @@ class DraftAdapter:
         not_float = [k for k, v in sd.items() if ref[k].is_floating_point() and not v.is_floating_point()]
         if not_float:
             raise ValueError(f"policy weights {not_float[:4]} are not floating point; pass the model's own tensors")
-        bad = [k for k, v in sd.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+        bad = [k for k, v in sd.items() if not all_finite(v)]
         if bad:
             raise ValueError(f"policy weights {bad[:4]} hold NaN or Inf; not loaded, the adapter keeps version "
                              f"{self.policy_version}")

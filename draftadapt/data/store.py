@@ -284,15 +284,10 @@ class DraftStore:
 
     def _lineage(self) -> str:
         """This store's id (under the lock): read from ``OUT/STORE``, made on first use."""
-        path = self.out_dir / STORE_FILE
-        try:
-            lineage = json.loads(path.read_text())["lineage"]
-            if isinstance(lineage, str) and lineage:
-                return lineage
-        except (FileNotFoundError, json.JSONDecodeError, KeyError, TypeError):
-            pass
-        lineage = secrets.token_hex(8)
-        atomic_write_json(path, {"lineage": lineage})
+        lineage = self.lineage
+        if lineage is None:
+            lineage = secrets.token_hex(8)
+            atomic_write_json(self.out_dir / STORE_FILE, {"lineage": lineage})
         return lineage
 
     def _read_latest(self) -> int:

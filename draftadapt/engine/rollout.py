@@ -364,7 +364,7 @@ class RolloutEngine:
                 f"re-export a draft for {self.target}"
             )
         version, lineage = meta.get("version"), meta.get("lineage")
-        newest = self._newest_served.get(lineage) if lineage is not None else None
+        newest = self.served_version(lineage) if lineage is not None else None
         if not rollback and isinstance(version, int) and newest is not None and version < newest:
             raise DraftSwapError(
                 f"{draft_dir} is version {version}, older than version {newest} of the same store that "
@@ -431,12 +431,12 @@ class RolloutEngine:
         """
         t0 = time.perf_counter()
         if isinstance(weights, dict) and self.in_process:
-            result = self._rpc("da_load_policy", {k: v.detach() for k, v in weights.items()}, None, checks)
+            result = self._rpc("da_load_policy", {k: v.detach() for k, v in weights.items()}, checks)
         elif isinstance(weights, dict):
             with policy_file(weights) as path:
-                result = self._rpc("da_load_policy", str(path), None, checks)
+                result = self._rpc("da_load_policy", str(path), checks)
         else:
-            result = self._rpc("da_load_policy", str(weights), None, checks)
+            result = self._rpc("da_load_policy", str(weights), checks)
         self.llm.reset_prefix_cache()
         if version is not None:
             self.policy_version = version

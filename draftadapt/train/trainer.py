@@ -28,6 +28,7 @@ from torch import nn
 
 from draftadapt.capture.hidden import CapturedBatch
 from draftadapt.metrics.acceptance import AcceptanceStats, simulate_acceptance
+from draftadapt.tensors import all_finite
 from draftadapt.train import losses
 from draftadapt.train.forward import (
     DraftLMForward,
@@ -375,7 +376,7 @@ class DraftTrainer:
         _torch_optimizer(self.optimizer).state.clear()  # AdamW starts its moments anew
 
     def weights_finite(self) -> bool:
-        return all(bool(torch.isfinite(p).all()) for p in self.model.parameters())
+        return all(all_finite(p) for p in self.model.parameters())
 
     def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
         """Restore everything :meth:`save_checkpoint` wrote; returns its ``trainer_state.json``."""

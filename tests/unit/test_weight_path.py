@@ -8,6 +8,7 @@ import draftadapt.engine.rollout as rollout
 import draftadapt.engine.worker_ext as worker_ext
 from draftadapt.drafts.formats import model_dtype
 from draftadapt.engine.worker_ext import module_checksum
+from draftadapt.tensors import all_finite
 
 
 def _module(seed: int = 0) -> torch.nn.Module:
@@ -54,11 +55,11 @@ def test_sampled_fingerprint_sees_what_a_lost_draft_looks_like(monkeypatch):
 
 def test_all_finite_finds_nan_and_inf_anywhere():
     x = torch.randn(1000).to(torch.bfloat16)
-    assert worker_ext.all_finite(x) and worker_ext.all_finite(torch.arange(4))
+    assert all_finite(x) and all_finite(torch.arange(4))
     for bad in (float("nan"), float("inf"), float("-inf")):
         y = x.clone()
         y[517] = bad
-        assert not worker_ext.all_finite(y)
+        assert not all_finite(y)
 
 
 def test_a_file_this_process_hashed_is_known_until_it_changes(tmp_path):
