@@ -214,11 +214,14 @@ class DriftTrigger:
             return False, "too_few_sequences"
         if s.every_n_steps and self.steps_since_train >= s.every_n_steps:
             return True, "schedule"
-        if s.drift_fraction and self.reference is not None:
+        if s.drift_fraction:
             now = self.measured
-            if now is None and self.steps_since_train > 0:
+            if now is None and (self.steps_since_train > 0 or self.reference is None):
                 now = simulate_live()
-            if now is not None and now < self.reference * (1 - s.drift_fraction):
+            if self.reference is None:
+                # no engine measurement and no publish yet: the live draft's score now is the reference
+                self.reference = now
+            elif now is not None and now < self.reference * (1 - s.drift_fraction):
                 return True, "drift"
         return False, "not_due"
 

@@ -294,14 +294,20 @@ class ReplayBuffer:
         gen = rng if isinstance(rng, np.random.Generator) else np.random.default_rng(rng)
         if items is None:
             items = self.split_recent()[1]
-        weights = [self.weight(it.policy_version) for it in items]
-        keep = [i for i, w in enumerate(weights) if w > 0]
-        items, weights = [items[i] for i in keep], [weights[i] for i in keep]
+        newest = self.newest_version
+        if newest is None or not items:
+            return []
+        # one weight per version (decay ** age), not one call per item: this runs every optimizer step
+        ages = newest - np.fromiter((it.policy_version for it in items), dtype=np.int64, count=len(items))
+        weights = float(self.recency_decay) ** ages.astype(np.float64)
+        keep = np.flatnonzero(weights > 0)
+        if keep.size < len(items):
+            items, weights = [items[i] for i in keep], weights[keep]
         if not items:
             return []
         # Efraimidis & Spirakis (2006): the largest u ** (1 / w) keys are a weighted sample without
         # replacement; log form for stability.
-        keys = np.log(gen.random(len(items))) / np.asarray(weights)
+        keys = np.log(gen.random(len(items))) / weights
         order = np.argsort(-keys, kind="stable")
         if n_seqs is not None:
             return [items[i] for i in order[:n_seqs]]

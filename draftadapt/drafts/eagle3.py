@@ -125,7 +125,7 @@ class Attention(nn.Module):
         return rope(q, positions, self.theta), rope(k, positions, self.theta), v
 
     def attend(self, q, k, v, mask: torch.Tensor) -> torch.Tensor:
-        """q: [B, nh, T, hd]; k, v: [B, nkv, S, hd]; mask: [T, S] bool (True = may attend)."""
+        """q: [B, nh, T, hd]; k, v: [B, nkv, S, hd]; mask: [T, S] or [B, 1, T, S] bool (True = may attend)."""
         rep = self.nh // self.nkv
         if rep > 1:
             k = k.repeat_interleave(rep, dim=1)
@@ -221,7 +221,8 @@ class Eagle3Head(nn.Module):
         return layer.finish(layer.self_attn.attend(q, k, v, mask), residual)
 
     def unroll(
-        self, input_ids: torch.Tensor, aux: torch.Tensor, steps: int, feed_ids=None
+        self, input_ids: torch.Tensor, aux: torch.Tensor, steps: int, feed_ids=None,
+        slots: torch.Tensor | None = None,
     ) -> list[torch.Tensor]:
         """Training-time test (EAGLE-3 section 3.2): run ``steps`` speculative steps in parallel.
 
@@ -232,34 +233,52 @@ class Eagle3Head(nn.Module):
 
         input_ids: [B, T] (token t+1 at index t); aux: [B, T, num_aux*Ht];
         feed_ids(j, logits_j) -> [B, T] ids fed at step j+1 (default: the draft's own argmax,
-        mapped to target ids). Returns per step the draft-vocab logits [B, T, Vd].
+        mapped to target ids). ``slots``: [B, M] positions at which steps >= 1 run (None: all T);
+        a query at a slot sees the same keys as above, so the result there is the full unroll's,
+        at M/T of the cost of each step >= 1 (docs/design.md, "Adapter cost"). Returns per step
+        the draft-vocab logits: [B, T, Vd] for step 0, [B, M or T, Vd] for the others.
         """
         b, t = input_ids.shape
         dev = input_ids.device
         layer = self.layers[0]
-        base = torch.arange(t, device=dev).expand(b, t)
         hidden = self.combine(aux)
         ids = input_ids
         keys, values, out = [], [], []
+        positions = torch.arange(t, device=dev).expand(b, t)
         causal = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
-        diag = torch.eye(t, dtype=torch.bool, device=dev)
+        if slots is None:
+            base = positions
+            diag = torch.eye(t, dtype=torch.bool, device=dev)
+            masks = [torch.cat([causal] + [diag] * j, dim=1) for j in range(steps)]  # [T, (j+1)T]
+        else:
+            m = slots.shape[1]
+            base = slots
+            seen = (torch.arange(t, device=dev) <= slots[..., None])[:, None]  # [B, 1, M, T]
+            diag = torch.eye(m, dtype=torch.bool, device=dev).expand(b, 1, m, m)
+            masks = [causal] + [torch.cat([seen] + [diag] * j, dim=-1) for j in range(1, steps)]
+
+        def gather(x: torch.Tensor) -> torch.Tensor:  # [B, T, ...] by position -> [B, M, ...] at the slots
+            return x.gather(1, slots if x.dim() == 2 else slots[..., None].expand(-1, -1, x.shape[-1]))
+
         for j in range(steps):
             a_in, residual = layer.attn_input(self.embed_tokens(ids), hidden)
-            q, k, v = layer.self_attn.qkv(a_in, base + j)
+            q, k, v = layer.self_attn.qkv(a_in, positions if j == 0 else base + j)
             keys.append(k)
             values.append(v)
-            mask = torch.cat([causal] + [diag] * j, dim=1)  # [T, (j+1)T]
-            x = layer.finish(layer.self_attn.attend(q, torch.cat(keys, 2), torch.cat(values, 2), mask), residual)
+            x = layer.finish(layer.self_attn.attend(q, torch.cat(keys, 2), torch.cat(values, 2), masks[j]), residual)
             logits = self.logits(x)
             out.append(logits)
             if j + 1 < steps:
-                if feed_ids is not None:
-                    nxt = feed_ids(j, logits)
-                else:
-                    nxt = logits.argmax(-1) + self.d2t[logits.argmax(-1)]
                 # Shift: the step-(j+1) query at t consumes the token predicted for t + j + 2.
+                if feed_ids is not None:
+                    nxt = feed_ids(j, logits)  # by position
+                    nxt = nxt if slots is None else gather(nxt)
+                else:
+                    top = logits.argmax(-1)
+                    nxt = top + self.d2t[top]
+                    nxt = nxt if slots is None or j > 0 else gather(nxt)
                 ids = nxt.detach()
-                hidden = x
+                hidden = x if slots is None or j > 0 else gather(x)
         return out
 
 

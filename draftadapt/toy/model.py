@@ -19,11 +19,13 @@ ARCHS = ("llama", "qwen3")
 @dataclass
 class ToyModelConfig:
     arch: str = "llama"  # "llama" or "qwen3"
-    num_layers: int = 6  # as in docs/design.md "Starting engines"; Eagle-3 aux layers (1, 3, 4) exist
-    hidden_size: int = 256
-    num_heads: int = 4  # head_dim = hidden_size / num_heads = 64
-    num_kv_heads: int = 4
-    intermediate_size: int = 768
+    # Deep and narrow, so that a one-layer Eagle-3 head weighs against the target roughly as it
+    # does at real sizes (docs/design.md, "The toy world's proportions"): 16 layers x 128.
+    num_layers: int = 16  # Eagle-3 aux layers (2, 8, 13)
+    hidden_size: int = 128
+    num_heads: int = 2  # head_dim = hidden_size / num_heads = 64
+    num_kv_heads: int = 2
+    intermediate_size: int = 384
     vocab_size: int = 64  # 25 real tokens padded up to a multiple of 8
     max_position_embeddings: int = 256  # prompt + response fit in 128; room to spare
     rope_theta: float = 10000.0

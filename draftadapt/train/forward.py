@@ -44,15 +44,17 @@ class Eagle3TTT(nn.Module):
         self.feed = feed
         self.pad_id = pad_id
 
-    def forward(self, input_ids: torch.Tensor, aux: torch.Tensor, steps: int | None = None) -> list[torch.Tensor]:
-        """input_ids: [B, T] sequence tokens; aux: [B, T, n*H] -> ``steps`` x [B, T, Vd]."""
+    def forward(self, input_ids: torch.Tensor, aux: torch.Tensor, steps: int | None = None,
+                slots: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """input_ids: [B, T] sequence tokens; aux: [B, T, n*H] -> ``steps`` x [B, T, Vd] (steps >= 1
+        at ``slots`` [B, M] only when given: [B, M, Vd]; see ``Eagle3Head.unroll``)."""
         ids = shift_left(input_ids, 1, self.pad_id)  # slot t consumes token t + 1
         feed = None
         if self.feed == "data":
             def feed(j, _logits):  # ids fed at step j + 1: token t + j + 2
                 return shift_left(input_ids, j + 2, self.pad_id)
         w = self.head.fc.weight
-        return self.head.unroll(ids, aux.to(w.dtype), steps or self.steps, feed_ids=feed)
+        return self.head.unroll(ids, aux.to(w.dtype), steps or self.steps, feed_ids=feed, slots=slots)
 
 
 class DraftLMForward(nn.Module):

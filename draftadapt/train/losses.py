@@ -65,6 +65,8 @@ def ttt_loss(
     step_weights: list[float],
     kind: str = "kl",
     target_draft_ids: torch.Tensor | None = None,
+    slots: torch.Tensor | None = None,
+    slot_ok: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
     """Eagle-3 training-time-test loss: a weighted sum over unrolled steps.
 
@@ -73,6 +75,8 @@ def ttt_loss(
     HASS use 0.8^i: later steps are harder and noisier); kind: "kl" (forward KL to the target
     distribution) or "ce" (cross-entropy on the sampled tokens, ``target_draft_ids`` [B, T] the
     draft id of token t + 1, -1 outside the draft vocab).
+    ``slots`` [B, M] / ``slot_ok`` [B, M] bool: steps >= 1 ran at these positions only (their
+    logits are [B, M, Vd]; ``slot_ok`` False marks filler slots), as ``Eagle3Head.unroll(slots=)``.
     Returns (loss scalar, per-step losses, per-step top-1 agreement with the target's argmax).
     """
     if kind not in ("kl", "ce"):
@@ -83,10 +87,15 @@ def ttt_loss(
     losses, accs = [], []
     for i, logits in enumerate(step_logits):
         tgt, mask = ttt_targets(target_logp, loss_mask, i)
+        ids = shift_left(target_draft_ids, i + 1, -1) if kind == "ce" else None
+        if slots is not None and i > 0:
+            tgt = tgt.gather(1, slots[..., None].expand(-1, -1, tgt.shape[-1]))
+            mask = mask.gather(1, slots) & slot_ok
+            ids = ids.gather(1, slots) if ids is not None else None
         if kind == "kl":
             loss = forward_kl(logits, tgt, mask)
         else:
-            loss = cross_entropy(logits, shift_left(target_draft_ids, i + 1, -1), mask)
+            loss = cross_entropy(logits, ids, mask)
         total = total + step_weights[i] * loss
         losses.append(loss.detach())
         accs.append(top1_agreement(logits, tgt, mask))

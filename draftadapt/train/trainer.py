@@ -57,6 +57,10 @@ class TrainConfig:
     ttt_steps: int = 3  # Eagle-3 training-time-test depth (EAGLE-3 unrolls >= 3; vLLM k = 3)
     step_decay: float = 0.8  # weight of TTT step i is decay^i (EAGLE-3 / HASS)
     ttt_feed: str = "data"  # token inputs of TTT steps >= 1: "data" or "argmax" (see train/forward.py)
+    # Share of each sequence's loss positions, drawn afresh every step, at which TTT steps >= 1 run
+    # (step 0 always runs on every position): 0.25 cuts a 3-step unroll's work by about half, and
+    # each step's loss stays an unbiased mean (docs/design.md, "Adapter cost"). 1 = every position.
+    ttt_slots: float = 1.0
     loss: str = "kl"  # "kl": forward KL to the target restricted to the draft vocab; "ce": sampled tokens
     zero_stage: int = 0  # 0: plain DDP; 1-3: DeepSpeed ZeRO stage (needs deepspeed; CPU: DS_ACCELERATOR=cpu)
     deepspeed_config: str | None = None  # path to a DeepSpeed JSON config (overrides zero_stage)
@@ -78,6 +82,9 @@ class TrainConfig:
             raise ConfigError(f"train.zero_stage {self.zero_stage}: use 0 (DDP) or a ZeRO stage 1-3")
         if self.batch_size < 1 or self.lr <= 0:
             raise ConfigError("train.batch_size must be >= 1 and train.lr > 0")
+        if not 0 < self.ttt_slots <= 1:
+            raise ConfigError(f"train.ttt_slots must be in (0, 1] (got {self.ttt_slots}): the share of loss "
+                              "positions TTT steps >= 1 run at; 1 = all")
 
 
 def make_accelerator(cfg: TrainConfig):
@@ -198,6 +205,7 @@ class DraftTrainer:
         t2d[self._vocab_ids] = torch.arange(self._vocab_ids.numel())
         self._target_to_draft = t2d  # target id -> draft id, -1 outside the draft vocab
         self.weights = losses.step_weights(cfg.ttt_steps, cfg.step_decay)
+        self._slot_rng = torch.Generator().manual_seed(cfg.seed)  # TTT slot draws (cfg.ttt_slots)
         self.step = 0  # optimizer steps taken
 
     # ------------------------------------------------------------------ properties
@@ -235,13 +243,30 @@ class DraftTrainer:
         ids = t2d[nxt.clamp(max=t2d.numel() - 1)]
         return torch.where(nxt < t2d.numel(), ids, torch.full_like(ids, -1))
 
+    def _slots(self, loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
+        """([B, M] positions, [B, M] real) drawn uniformly among each row's loss positions, M the
+        ``ttt_slots`` share of the longest row's count; (None, None) when every position runs."""
+        if self.cfg.ttt_slots >= 1 or self.cfg.ttt_steps < 2:
+            return None, None
+        m = max(1, math.ceil(self.cfg.ttt_slots * int(loss_mask.sum(1).max())))
+        draw = torch.rand(loss_mask.shape, generator=self._slot_rng).to(loss_mask.device)
+        slots = draw.masked_fill(~loss_mask, -1.0).topk(m, dim=1).indices.sort(dim=1).values
+        return slots, loss_mask.gather(1, slots)
+
     def _loss(self, batch: CapturedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[torch.Tensor]]:
         if self.method == "eagle3":
-            steps = step_logits(self.model, batch, self.cfg.ttt_steps)
+            slots, slot_ok = self._slots(batch.loss_mask)
+            if slots is None:
+                steps = step_logits(self.model, batch, self.cfg.ttt_steps)
+            else:
+                steps = self.model(batch.input_ids, batch.aux, self.cfg.ttt_steps, slots)
             loss, per_step, accs = losses.ttt_loss(
                 steps, batch.target_logp, batch.loss_mask, self.weights, self.cfg.loss,
                 self._sampled_draft_ids(batch.input_ids) if self.cfg.loss == "ce" else None,
+                slots, slot_ok,
             )
+            if slots is not None:
+                steps = []  # not every position: no simulated acceptance on this batch
         else:
             logits = self.model(batch.input_ids, batch.attention_mask)
             loss, acc = losses.distill_loss(
@@ -277,11 +302,13 @@ class DraftTrainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        with torch.no_grad():
-            _, uniform = simulate_acceptance(
-                [s.detach() for s in steps], self._vocab_ids, batch.target_logp, batch.input_ids, batch.loss_mask,
-                visit=False,
-            )
+        uniform = AcceptanceStats(max(len(steps), 1))
+        if steps:
+            with torch.no_grad():
+                _, uniform = simulate_acceptance(
+                    [s.detach() for s in steps], self._vocab_ids, batch.target_logp, batch.input_ids,
+                    batch.loss_mask, visit=False,
+                )
         means = torch.stack([loss.detach().float(), *[v.float() for v in parts.values()],
                              torch.as_tensor(grad_norm, dtype=torch.float32).reshape(())])
         means = self.accelerator.reduce(means.to(self.device), reduction="mean").cpu()
@@ -296,7 +323,8 @@ class DraftTrainer:
         out["train/grad_norm"] = float(means[-1])
         out["train/lr"] = float(lr)
         out["train/tokens"] = float(sums[-1])
-        out.update(acceptance_metrics(acc, prefix="accept"))
+        if steps:
+            out.update(acceptance_metrics(acc, prefix="accept"))
         return out
 
     def train_steps(self, batches: Iterable[CapturedBatch], n: int | None = None, callback=None) -> dict[str, float]:

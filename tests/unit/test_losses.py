@@ -164,3 +164,45 @@ def test_distill_loss_zero_at_target():
     assert loss.item() == pytest.approx(0.0, abs=1e-6) and acc.item() == 1.0
     with pytest.raises(ValueError):
         losses.distill_loss(target_logp, target_logp, mask, kind="mse")
+
+
+@pytest.mark.parametrize("feed", ["data", "argmax"])
+def test_unroll_at_slots_equals_the_full_unroll_there(feed):
+    """TTT steps >= 1 run only at sampled slots (train.ttt_slots): each slot's logits are the
+    full unroll's at that position, for the data feed and the head's own argmax."""
+    head = tiny_head()
+    ids, aux = inputs()
+    ttt = Eagle3TTT(head, steps=3, feed=feed)
+    full = ttt(ids, aux)
+    slots = torch.tensor([[0, 3, 4, 10], [1, 2, 7, 11]])
+    part = ttt(ids, aux, slots=slots)
+    assert part[0].shape == full[0].shape == (B, T, V)
+    for j in (1, 2):
+        assert part[j].shape == (B, 4, V)
+        want = full[j].gather(1, slots[..., None].expand(-1, -1, V))
+        assert torch.allclose(part[j], want, atol=1e-5), (feed, j, (part[j] - want).abs().max())
+
+
+def test_ttt_loss_at_slots_matches_the_full_loss_on_those_positions():
+    """The slotted loss of steps >= 1 is the full loss restricted to the slots (and real ones only)."""
+    head = tiny_head()
+    ids, aux = inputs()
+    ttt = Eagle3TTT(head, steps=3)
+    g = torch.Generator().manual_seed(1)
+    target_logp = torch.log_softmax(torch.randn(B, T, V, generator=g), -1)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[:, :3] = False
+    slots = torch.tensor([[3, 5, 6, 9], [4, 5, 8, 8]])
+    ok = torch.tensor([[True, True, True, True], [True, True, True, False]])
+    _, part, _ = losses.ttt_loss(ttt(ids, aux, slots=slots), target_logp, mask, [1.0, 0.8, 0.64], slots=slots, slot_ok=ok)
+    full = ttt(ids, aux)
+    for j in (1, 2):
+        tgt, m = losses.ttt_targets(target_logp, mask, j)
+        sel = torch.zeros(B, T, dtype=torch.bool)
+        sel[0, [3, 5, 6, 9]] = True
+        sel[1, [4, 5, 8]] = True
+        want = losses.forward_kl(full[j], tgt, m & sel)
+        assert part[j].item() == pytest.approx(want.item(), rel=1e-5, abs=1e-6)
+    # step 0 is untouched by the slots
+    tgt0, m0 = losses.ttt_targets(target_logp, mask, 0)
+    assert part[0].item() == pytest.approx(losses.forward_kl(full[0], tgt0, m0).item(), rel=1e-6)

@@ -75,6 +75,31 @@ def test_ce_loss_option_trains():
     assert last < first
 
 
+def test_ttt_slots_train_the_later_steps_and_raise_the_score():
+    """train.ttt_slots < 1: steps >= 1 run at a quarter of the loss positions; the later steps'
+    losses still fall and the simulated acceptance (all positions, scored separately) rises."""
+    target = tiny_target()
+    batches = captured(target, tiny_data())
+    tr = make_trainer(target, ttt_slots=0.25)
+    before = tr.score(batches)[1].length
+    first = tr.train_steps(batches)
+    for _ in range(5):
+        last = tr.train_steps(batches)
+    assert "accept/simulated_length" not in last  # not every position ran: no per-batch simulation
+    for i in (1, 2):
+        assert last[f"train/loss_pos_{i}"] < 0.85 * first[f"train/loss_pos_{i}"], i
+    after = tr.score(batches)[1].length
+    assert after > before + 0.1, (before, after)
+
+
+def test_ttt_slots_out_of_range_is_a_config_error():
+    from draftadapt.config import ConfigError
+
+    for bad in (0.0, 1.5):
+        with pytest.raises(ConfigError, match="ttt_slots"):
+            TrainConfig(ttt_slots=bad).validate()
+
+
 def test_resume_from_checkpoint_continues_identically(tmp_path):
     target = tiny_target()
     batches = captured(target, tiny_data())
