@@ -29,6 +29,7 @@ import math
 import random
 import time
 import weakref
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -276,6 +277,8 @@ class DraftAdapter:
         self.trigger = DriftTrigger(self.cfg.schedule)
         # engine -> (checksum read back after our swap, the draft dir it came from)
         self._swapped_in: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._round: Future | None = None  # a round started by start_step, not yet finished
+        self._round_pool: ThreadPoolExecutor | None = None
         latest = self.store.latest()
         # what a restart continued from: "start" (a new run), "published" (the newest version's
         # weights, fresh optimizer) or "checkpoint" (its weights and the trainer state beside it)
@@ -346,6 +349,7 @@ class DraftAdapter:
         Refused with ValueError naming the rollout, nothing added: token ids outside the policy's
         vocabulary, more tokens than its max positions, hidden states of the wrong shape or non-finite.
         """
+        self._wait_round()
         seqs = _as_token_seqs(rollouts)
         given: list[dict[str, torch.Tensor] | None] = [None] * len(seqs)
         if handover is not None:
@@ -401,6 +405,7 @@ class DraftAdapter:
 
     def update_policy(self, weights_or_path: str | Path | dict[str, torch.Tensor], version: int) -> None:
         """Load the policy's new weights into the adapter's own HF copy (a dir, a file or a state dict)."""
+        self._wait_round()
         if version < self.policy_version:
             raise ValueError(f"policy version {version} is older than the adapter's {self.policy_version}")
         if isinstance(weights_or_path, dict):
@@ -496,8 +501,45 @@ class DraftAdapter:
         finally:
             model.train()
 
+    # ------------------------------------------------------------------ background rounds
+
+    def start_step(self, force: bool = False) -> None:
+        """Run :meth:`step` in a background thread while the RL loop goes on (the next rollouts,
+        the next update); :meth:`finish_step` returns its metrics. Every other adapter call first
+        waits for the round, so the replay buffer, the trainer and the store are never used by two
+        threads at once. On a 2-core CPU the round competes with generation for the cores
+        (docs/design.md, "Background rounds")."""
+        if self._round is not None:
+            raise RuntimeError("a background adapter round is still open: call finish_step() before starting another")
+        if self._round_pool is None:
+            self._round_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draftadapt-round")
+        self._round = self._round_pool.submit(self._step, force)
+
+    def finish_step(self) -> dict[str, float]:
+        """Wait for the round :meth:`start_step` began and return its metrics ({} when none is
+        open); an error raised in the round is raised here."""
+        round_, self._round = self._round, None
+        return {} if round_ is None else round_.result()
+
+    def _wait_round(self) -> None:
+        if self._round is not None:
+            wait([self._round])
+
+    def close(self) -> None:
+        """Finish an open background round and stop its thread (nothing else to release)."""
+        try:
+            self.finish_step()
+        finally:
+            if self._round_pool is not None:
+                self._round_pool.shutdown(wait=True)
+                self._round_pool = None
+
     def step(self, force: bool = False) -> dict[str, float]:
         """Train if the schedule says so, validate, and publish a better draft. Returns metrics."""
+        self._wait_round()
+        return self._step(force)
+
+    def _step(self, force: bool) -> dict[str, float]:
         due, why = self.trigger.due(len(self.replay), lambda: self.score(self.live_draft(), self._batches(
             self.replay.heldout(), self.cfg.train.batch_size)))
         metrics: dict[str, float] = {"adapt/trained": 0.0, "adapt/published": 0.0, "adapt/rejected": 0.0}
@@ -559,7 +601,7 @@ class DraftAdapter:
             target_version = self.policy_version
             if all(self._handed_over(it) for it in train + heldout):
                 target_version = max(it.policy_version for it in train + heldout)
-            version = self.publish(target_version)
+            version = self._publish(target_version)
             metrics["adapt/published"] = 1.0
             metrics["draft/published_version"] = float(version)
         else:
@@ -599,6 +641,10 @@ class DraftAdapter:
     def publish(self, policy_version: int | None = None) -> int:
         """Write the trainer's current draft as a new version (atomic), tagged with the policy
         version it was trained against (default: the adapter's current one)."""
+        self._wait_round()
+        return self._publish(policy_version)
+
+    def _publish(self, policy_version: int | None) -> int:
         pv = self.policy_version if policy_version is None else policy_version
         version, self._live = self._publish_module(self.trainer.export_draft(), pv)
         self._save_resume(version)
@@ -610,6 +656,7 @@ class DraftAdapter:
         """Put the newest published draft the engine may serve into it, in place
         (:meth:`DraftStore.swap_newest_into`: never one trained on a newer policy than the engine
         serves, never an older version than it served). Returns the SwapResult or None."""
+        self._wait_round()
         res = self.store.swap_newest_into(engine)
         if res is None:
             return None
@@ -624,6 +671,7 @@ class DraftAdapter:
         Other systems lost their drafts silently on weight sync or sleep/wake (docs/design.md,
         "Failures other systems shipped"). Returns True when the draft was intact.
         """
+        self._wait_round()
         # what this adapter put in (the engine's own record may be what went wrong)
         expected, path = self._swapped_in.get(engine, (engine.live_checksum, engine.draft_dir))
         state = engine.draft_state()

@@ -39,7 +39,9 @@ RECIPE = Path(__file__).with_suffix(".yaml")
 
 @dataclass
 class GRPOConfig:
-    steps: int = 14  # RL steps: the style reaches ~95% by step 13 (seed 0); the last third is 4 steps
+    # RL steps: the style reaches ~95% by step 12 (seed 0), and the last third (6 steps) is the
+    # drifted regime: a frozen draft stays low there, an adapted one has had time to catch up
+    steps: int = 18
     # 64 problems x 4 samples a step: with 16 x 4 the gradient was noisy enough that Adam at any
     # rate that moved the style also wrecked the arithmetic (accuracy 0.4 -> 0.05 in 10 steps).
     prompts_per_step: int = 64  # distinct problems per step
@@ -100,6 +102,10 @@ class DemoConfig:
     # At the last step, also measure the arms at the RL batch (every rollout prompt of that step):
     # on CPU the speedup falls with the batch size, so the small eval set flatters it.
     rl_batch_arms: bool = True
+    # Run each adaptation round in a background thread beside the next step's generation and
+    # policy update (DraftAdapter.start_step / finish_step) instead of between steps. It is swapped
+    # in one step later; what it costs is the slower generation and update plus any wait for it.
+    adapter_background: bool = False
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     # 20 optimizer steps of 16 sequences per RL step (~7 s of a ~25 s step, batches grouped by
@@ -112,6 +118,7 @@ class DemoConfig:
     # quarter of the positions, 32 held-out rollouts to decide the publish (docs/design.md,
     # "Adapter cost"; chosen from the replay table in the README).
     adapter: AdapterConfig = field(default_factory=lambda: AdapterConfig(
+        recency_decay=0.25,  # the newest rollouts weigh most: the policy moves fast here
         schedule=ScheduleConfig(every_n_steps=2, drift_fraction=0.0, train_steps=8),
         validate_cfg=ValidateConfig(max_heldout=32),
         train=replace(AdapterConfig().train, lr=2e-3, batch_size=16, ttt_slots=0.25)))
@@ -278,6 +285,7 @@ def run(cfg: DemoConfig) -> dict:
     arms = {"plain": [], "frozen": [], "adapted": []} if cfg.spec else {"plain": []}
     rl_batch = None
     t_start = time.perf_counter()
+    round_due = False  # adapter_background: a round to start before the next generation
 
     try:
         for step in range(cfg.grpo.steps):
@@ -285,6 +293,9 @@ def run(cfg: DemoConfig) -> dict:
             # 1. rollouts (with spec: from the live adapted draft; speculation changes nothing they contain)
             problems = [p for p in task.sample_problems(cfg.grpo.prompts_per_step, rng.randrange(1 << 30))
                         for _ in range(cfg.grpo.group_size)]
+            if round_due:  # background rounds: the one for the previous step's rollouts runs from here
+                adapter.start_step()
+                round_due = False
             t0 = time.perf_counter()
             gen = rollout_engine.generate([p["prompt"] for p in problems], temperature=cfg.grpo.temperature,
                                           max_tokens=cfg.grpo.max_tokens, seed=rng.randrange(1 << 30))
@@ -318,11 +329,17 @@ def run(cfg: DemoConfig) -> dict:
             # 3. draftadapt, through its public API only
             if adapter is not None:
                 t0 = time.perf_counter()
+                if cfg.adapter_background:
+                    row.update(adapter.finish_step())  # waits for the round if it is not done yet
+                    swap = adapter.swap(spec)
                 row["draft/integrity_ok"] = float(adapter.check_integrity(spec))
                 adapter.observe(gen.rollouts, policy_version=version - 1, handover=ho)
                 adapter.update_policy(weights, version=version)
-                row.update(adapter.step())
-                swap = adapter.swap(spec)
+                if cfg.adapter_background:
+                    round_due = True
+                else:
+                    row.update(adapter.step())
+                    swap = adapter.swap(spec)
                 if swap is not None:
                     row["swap/ms"] = swap.ms
                 row["stage/adapt_s"] = time.perf_counter() - t0 + handover_s
@@ -369,6 +386,8 @@ def run(cfg: DemoConfig) -> dict:
         save_policy(policy, toy, out / "final_policy")
         fresh = measure_fresh(cfg, out, spec, eval_prompts) if cfg.fresh_final and history and spec else None
     finally:
+        if adapter is not None:
+            adapter.close()  # a background round still open is finished, not abandoned mid-write
         for engine in (spec, plain):
             if engine is not None:
                 engine.close()

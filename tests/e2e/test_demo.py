@@ -34,7 +34,8 @@ def test_demo_smoke(toy_target, tmp_path):
     assert e["adapt_s"] == 0.0 and e["rl_step_s"] == pytest.approx(e["gen_s"] + e["train_s"], rel=1e-9)
     assert 0.0 < e["gen_share"] < 1.0
     cmd = [sys.executable, "-m", "draftadapt.cli", "demo", "--out", str(out), *common,
-           "adapter.schedule.train_steps=2", "adapter.train.batch_size=8", "adapter.schedule.min_sequences=8",
+           "adapter.schedule.every_n_steps=1", "adapter.schedule.train_steps=2", "adapter.train.batch_size=8",
+           "adapter.schedule.min_sequences=8",
            "pretrain_prompts=48", "fresh_max_minutes=0.2", f"spool={tmp_path / 'spool'}", f"baseline={base}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -56,6 +56,31 @@ def rollouts(world, seed: int, n: int = 48):
     return world["engine"].generate(world["prompts"][:n], temperature=1.0, max_tokens=64, seed=seed).rollouts
 
 
+def test_background_round_runs_beside_generation_and_is_swapped_after(world, toy_target):
+    """start_step trains in a thread while the engine generates the next rollouts; calls that use
+    the adapter's state wait for the round; finish_step hands its metrics over, then the swap."""
+    engine = world["engine"]
+    adapter = DraftAdapter(toy_target, world["draft0"], world["root"] / "bg", small_cfg())
+    try:
+        adapter.observe(rollouts(world, seed=11), policy_version=0)
+        adapter.start_step()
+        with pytest.raises(RuntimeError, match="finish_step"):
+            adapter.start_step()
+        nxt = rollouts(world, seed=12)  # the engine generates while the round trains
+        adapter.observe(nxt, policy_version=0)  # waits for the round: the buffer is never shared
+        assert adapter._round is not None and adapter._round.done()
+        m = adapter.finish_step()
+        assert m["adapt/trained"] == 1.0 and m["adapt/published"] == 1.0, m
+        assert adapter.finish_step() == {}  # nothing open any more
+        res = adapter.swap(engine)
+        assert res is not None and res.version == 2 and engine.draft_version == 2
+        adapter.start_step()
+    finally:
+        adapter.close()  # finishes the open round
+    assert adapter._round is None and adapter._round_pool is None
+    assert adapter.store.latest().version >= 2
+
+
 def test_train_validate_publish_swap(world, toy_target):
     engine = world["engine"]
     adapter = DraftAdapter(toy_target, world["draft0"], world["root"] / "out", small_cfg())
