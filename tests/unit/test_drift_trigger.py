@@ -29,3 +29,15 @@ def test_an_engine_measurement_is_used_without_simulating():
     trig.report(3.4)  # -8.1%
     assert trig.due(10, never) == (True, "drift")
     assert trig.due(4, never) == (False, "too_few_sequences")
+
+
+def test_an_engine_measurement_replaces_a_simulated_reference():
+    """Simulated and measured lengths are not comparable: the first measurement is the reference."""
+    trig = DriftTrigger(ScheduleConfig(every_n_steps=0, drift_fraction=0.10, min_sequences=1))
+    assert trig.due(10, lambda: 2.6) == (False, "not_due")  # simulated reference 2.6
+    trig.report(3.0)
+    assert trig.reference == 3.0
+    trig.report(2.9)
+    assert trig.reference == 3.0  # a measured reference stays until the next publish
+    trig.report(2.5)
+    assert trig.due(10, lambda: 2.6) == (True, "drift")
