@@ -75,9 +75,10 @@ def pretrain_toy_head(toy_target: Path, out: Path, steps: int) -> Path:
 
 @pytest.fixture(scope="session")
 def trained_head(toy_target, tmp_path_factory) -> Path:
-    """An Eagle-3 head trained 12 steps: its acceptance is well above an untrained head's, so a
-    damaged swap shows."""
-    return pretrain_toy_head(toy_target, tmp_path_factory.mktemp("trained_head") / "eagle3", 12)
+    """An Eagle-3 head trained 30 steps: its acceptance is well above an untrained head's, so a
+    damaged swap shows (12 steps gave 1.25 on the 16 x 128 target, 30 steps of its head cost
+    about what 12 did on the earlier 6 x 256 one)."""
+    return pretrain_toy_head(toy_target, tmp_path_factory.mktemp("trained_head") / "eagle3", 30)
 
 
 TINY = ToyModelConfig(num_layers=4, hidden_size=64, num_heads=2, num_kv_heads=2, intermediate_size=128)

@@ -253,7 +253,7 @@ def test_drift_trigger_trains_only_when_acceptance_fell(world, trained, toy_targ
     (6, 10.0, 2),  # no block gains 1000%: stops after the first
 ])
 def test_catch_up_trains_more_only_while_it_pays(world, toy_target, max_train_steps, gain, expected_steps):
-    cfg = small_cfg()
+    cfg = small_cfg(batch_size=16)  # 8 sequences a step left one block of a random head without a gain
     cfg.schedule = ScheduleConfig(every_n_steps=1, drift_fraction=0.0, train_steps=2, min_sequences=8,
                                   max_train_steps=max_train_steps, catchup_gain=gain)
     adapter = DraftAdapter(toy_target, world["draft0"], world["root"] / f"catchup{max_train_steps}-{gain}", cfg)

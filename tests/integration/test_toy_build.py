@@ -16,7 +16,7 @@ def test_build_reports_partial_accuracy(toy_target):
         result_file = toy_target / "toy.json"
     result = json.loads(result_file.read_text())
     assert 0.15 <= result["accuracy"] <= 0.70, result
-    assert 4_000_000 <= result["params"] <= 6_000_000, result
+    assert 3_000_000 <= result["params"] <= 4_000_000, result  # 16 layers x 128: 3,428,480
     heldout = task.load_heldout(toy_target)
     assert len(heldout) >= 64
     assert all(task.answer_for(p["prompt"]) == p["answer"] for p in heldout)
