@@ -101,7 +101,14 @@ def _build(cls: type[T], data: dict[str, Any], where: str) -> T:
         raise ConfigError(
             f"{where}: unknown key(s) {unknown} for {cls.__name__}; known keys: {sorted(types_)}"
         )
-    kwargs = {k: _coerce(v, types_[k], f"{where}.{k}" if where else k) for k, v in data.items()}
+    kwargs = {}
+    for k, v in data.items():
+        base = _field_default(cls, k)
+        if isinstance(v, dict) and dataclasses.is_dataclass(base):
+            # a section given in part keeps the parent's own default for it (a recipe's default
+            # factory), not the section class's bare defaults, for every key it does not name
+            v = _merged(base, v)
+        kwargs[k] = _coerce(v, types_[k], f"{where}.{k}" if where else k)
     try:
         obj = cls(**kwargs)
     except TypeError as exc:
@@ -110,6 +117,25 @@ def _build(cls: type[T], data: dict[str, Any], where: str) -> T:
     if callable(validate):
         validate()
     return obj
+
+
+def _merged(base: Any, given: dict[str, Any]) -> dict[str, Any]:
+    """``base`` (a dataclass instance) as a mapping with ``given`` on top, section by section."""
+    out = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
+    for k, v in given.items():
+        cur = out.get(k)
+        out[k] = _merged(cur, v) if isinstance(v, dict) and dataclasses.is_dataclass(cur) else v
+    return out
+
+
+def _field_default(cls: type, name: str) -> Any:
+    """The default a dataclass gives field ``name`` (None when it has none)."""
+    for f in dataclasses.fields(cls):
+        if f.name == name:
+            if f.default_factory is not dataclasses.MISSING:
+                return f.default_factory()
+            return None if f.default is dataclasses.MISSING else f.default
+    return None
 
 
 def _set_dotted(tree: dict[str, Any], dotted: str, value: str) -> None:

@@ -50,3 +50,31 @@ def test_types_are_checked_and_validate_runs():
         load_config(Recipe, None, ["train.lr"])
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(Recipe, "/nonexistent.yaml")
+
+
+def test_an_override_inside_a_section_keeps_the_parents_defaults_for_the_rest():
+    """A recipe's default for a nested section (a default_factory) survives an override of one
+    of its keys: only that key changes, at any depth."""
+    from dataclasses import dataclass, field
+
+    from draftadapt.config import load_config
+
+    @dataclass
+    class Inner:
+        a: int = 1
+        b: int = 2
+
+    @dataclass
+    class Mid:
+        inner: Inner = field(default_factory=Inner)
+        c: float = 0.5
+
+    @dataclass
+    class Top:
+        mid: Mid = field(default_factory=lambda: Mid(inner=Inner(a=10, b=20), c=0.9))
+
+    cfg = load_config(Top, None, ["mid.inner.a=11"])
+    assert cfg.mid.inner == Inner(a=11, b=20) and cfg.mid.c == 0.9
+    cfg = load_config(Top, None, ["mid.c=0.1"])
+    assert cfg.mid.inner == Inner(a=10, b=20) and cfg.mid.c == 0.1
+    assert load_config(Top, None, []) == Top()
