@@ -198,18 +198,18 @@ class DriftTrigger:
         self.cfg = cfg
         self.steps_since_train = 0
         self.reference: float | None = None  # acceptance at the last publish
-        self.simulated_reference = False  # the reference is a simulated score (no engine yet)
         self.measured: float | None = None  # the engine's latest measurement of the live draft
 
     def observed(self) -> None:
         self.steps_since_train += 1
 
     def report(self, acceptance_length: float) -> None:
+        first = self.measured is None
         self.measured = float(acceptance_length)
-        if self.reference is None or self.simulated_reference:
-            # measured and simulated lengths are not comparable: the engine's first one replaces a
-            # simulated reference
-            self.reference, self.simulated_reference = self.measured, False
+        if self.reference is None or first:
+            # measured and simulated lengths are not comparable: the engine's first measurement
+            # replaces a reference simulated before it
+            self.reference = self.measured
 
     def due(self, buffered: int, simulate_live) -> tuple[bool, str]:
         """``simulate_live()``: the live draft's simulated acceptance, for runs with no engine."""
@@ -224,7 +224,7 @@ class DriftTrigger:
                 now = simulate_live()
             if self.reference is None:
                 # no engine measurement and no publish yet: the live draft's score now is the reference
-                self.reference, self.simulated_reference = now, now is not None and self.measured is None
+                self.reference = now
             elif now is not None and now < self.reference * (1 - s.drift_fraction):
                 return True, "drift"
         return False, "not_due"
@@ -235,7 +235,6 @@ class DriftTrigger:
             # drift is measured from here: the engine's next measurement of this draft, or
             # (without an engine) its simulated score
             self.reference = None if self.measured is not None else candidate
-            self.simulated_reference = self.measured is None
 
 
 class DraftAdapter:

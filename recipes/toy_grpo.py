@@ -108,15 +108,10 @@ class DemoConfig:
     adapter_background: bool = False
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
-    # 20 optimizer steps of 16 sequences per RL step (~7 s of a ~25 s step, batches grouped by
-    # length) at lr 2e-3. Replaying one recorded seed-2 trajectory (same rollouts and policies
-    # for every config, simulated acceptance on the next step's rollouts, last 4 steps): 10 x 32
-    # at 1e-3 3.24; 20 x 16 at 1e-3 3.35; 20 x 16 at 2e-3 3.44 for the same compute; 20 x 32
-    # 3.41 at 1.7x the time. Smaller steps learned faster per token in pretraining too. The
-    # validation gate turns down the early candidates the higher rate makes worse.
     # A round every other RL step: 8 optimizer steps of 16 sequences, the TTT steps >= 1 at a
     # quarter of the positions, 32 held-out rollouts to decide the publish (docs/design.md,
-    # "Adapter cost"; chosen from the replay table in the README).
+    # "Adapter cost"; chosen from the replay table in the README). The validation gate turns down
+    # the early candidates, while the draft is still current, that come out worse than it.
     adapter: AdapterConfig = field(default_factory=lambda: AdapterConfig(
         recency_decay=0.25,  # the newest rollouts weigh most: the policy moves fast here
         schedule=ScheduleConfig(every_n_steps=2, drift_fraction=0.0, train_steps=8),
