@@ -36,7 +36,7 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from draftadapt.capture.hidden import CapturedBatch, HandOver, TargetCapture
+from draftadapt.capture.hidden import CapturedBatch, HandOver
 from draftadapt.config import ConfigError
 from draftadapt.data.replay import ReplayBuffer, ReplayItem
 from draftadapt.data.sequences import Sequence as TokenSeq
@@ -51,6 +51,7 @@ from draftadapt.drafts.formats import (
     read_hf_config,
     target_fingerprint,
 )
+from draftadapt.drafts.methods import METHODS, DraftMethod, check_serves, method_for
 from draftadapt.fileio import atomic_path
 from draftadapt.tensors import all_finite
 from draftadapt.train.trainer import DraftTrainer, TrainConfig, score_draft
@@ -127,8 +128,8 @@ class AdapterConfig:
     train: TrainConfig = field(default_factory=lambda: TrainConfig(lr=3e-4, warmup_steps=0, schedule="constant"))
 
     def validate(self) -> None:
-        if self.method not in ("eagle3", "draft_model"):
-            raise ConfigError(f"adapter.method {self.method!r}: use eagle3 or draft_model")
+        if self.method not in METHODS:
+            raise ConfigError(f"adapter.method {self.method!r}: use one of {', '.join(METHODS)}")
         if self.targets not in ("sampling", "current"):
             raise ConfigError(f"adapter.targets {self.targets!r}: use 'sampling' or 'current'")
         if self.k < 1 or self.temperature <= 0:
@@ -176,18 +177,10 @@ def _load_policy(path_or_dir: str | Path):
     return AutoModelForCausalLM.from_pretrained(str(path_or_dir), dtype="auto")
 
 
-def _load_draft(draft_dir: Path, target_dir: Path, method: str):
-    from draftadapt.drafts.formats import load_eagle3
-    from draftadapt.drafts.small_lm import load_small_lm
-
+def _load_draft(draft_dir: Path, target_dir: Path, method: DraftMethod):
     fmt = detect_format(read_hf_config(draft_dir))
-    if method == "eagle3":
-        if fmt == "hf":
-            raise ConfigError(f"{draft_dir} is a draft LM; set adapter.method=draft_model")
-        return load_eagle3(draft_dir, target_dir), fmt
-    if fmt != "hf":
-        raise ConfigError(f"{draft_dir} is an Eagle-3 head; set adapter.method=eagle3")
-    return load_small_lm(draft_dir), fmt
+    check_serves(method, draft_dir, fmt, "set adapter.method={method}", error=ConfigError)
+    return method.load(draft_dir, target_dir), fmt
 
 
 class DriftTrigger:
@@ -244,6 +237,7 @@ class DraftAdapter:
                  cfg: AdapterConfig | None = None, logger=None, policy_version: int = 0):
         self.cfg = cfg or AdapterConfig()
         self.cfg.validate()
+        self.method = method_for(self.cfg.method)
         self.policy_dir = Path(policy_dir)
         self.logger = logger
         # Building modules draws from torch's global RNG before their weights are loaded; the
@@ -252,7 +246,7 @@ class DraftAdapter:
             # a draft built for another target is refused here, never relabelled by a publish
             check_draft_for_target(draft_dir, self.policy_dir)
             self.policy = _load_policy(self.policy_dir)
-            draft, self.format = _load_draft(Path(draft_dir), self.policy_dir, self.cfg.method)
+            draft, self.format = _load_draft(Path(draft_dir), self.policy_dir, self.method)
         self.policy.eval()
         self.policy_version = policy_version
         pc = self.policy.config.get_text_config()
@@ -260,15 +254,9 @@ class DraftAdapter:
         self.max_positions = int(getattr(pc, "max_position_embeddings", 0) or 0)
         pad = self.policy.config.pad_token_id
         self.pad_id = 0 if pad is None else int(pad)
-        self.trainer = DraftTrainer(draft, self.cfg.method, self.cfg.train, pad_id=self.pad_id)
-        aux = list(draft.cfg.aux_layer_ids) if self.cfg.method == "eagle3" else None
-        vocab = None
-        if self.cfg.method == "eagle3":
-            from draftadapt.drafts.vocab import draft_to_target_ids
-
-            vocab = draft_to_target_ids(draft.d2t)
-        self.capture = TargetCapture(self.policy, aux, vocab, temperature=self.cfg.temperature)
-        self.aux_width = len(aux or []) * int(pc.hidden_size)  # of handed-over aux states
+        self.trainer = DraftTrainer(draft, self.method, self.cfg.train, pad_id=self.pad_id)
+        self.capture = self.method.target_capture(self.policy, draft, self.cfg.temperature)
+        self.aux_width = len(self.capture.aux_layer_ids) * int(pc.hidden_size)  # of handed-over aux states
         self.replay = ReplayBuffer(
             self.cfg.replay_max_tokens, self.cfg.replay_max_bytes, self.cfg.recency_decay,
             holdout_fraction=self.cfg.validate_cfg.heldout_fraction, max_heldout=self.cfg.validate_cfg.max_heldout,
@@ -304,7 +292,7 @@ class DraftAdapter:
                 f"{self.policy_dir}); give this run its own output directory"
             )
         with torch.random.fork_rng(devices=[]):
-            live = _load_draft(latest.path, self.policy_dir, self.cfg.method)[0].eval()
+            live = _load_draft(latest.path, self.policy_dir, self.method)[0].eval()
         self.trainer.reset_to(live)
         self.resumed_from = "published"
         try:
@@ -479,10 +467,10 @@ class DraftAdapter:
     def _batches(self, items: list[ReplayItem], size: int) -> list[CapturedBatch]:
         return [self._captured(items[i: i + size]) for i in range(0, len(items), size)]
 
-    def score(self, module, batches: list[CapturedBatch]) -> float:
-        """Simulated acceptance length (vLLM's greedy drafting, k tokens) of a draft module (bare,
-        or the trainer's wrapped one) on captured batches."""
-        visited, _ = score_draft(module, batches, self.cfg.k)
+    def score(self, draft, batches: list[CapturedBatch]) -> float:
+        """Simulated acceptance length (vLLM's greedy drafting, k tokens) of a bare draft (an
+        Eagle3Head or HF draft LM) on captured batches."""
+        visited, _ = score_draft(draft, batches, self.cfg.k)
         return visited.length
 
     # ------------------------------------------------------------------ the loop
@@ -500,7 +488,7 @@ class DraftAdapter:
         model = self.trainer.model
         model.eval()
         try:
-            return self.score(model, held)
+            return self.score(self.trainer.draft, held)
         finally:
             model.train()
 
@@ -617,10 +605,7 @@ class DraftAdapter:
 
     def refresh_shared_embeddings(self, head=None) -> None:
         """A head that shares the target's embed_tokens sees the policy's current ones (as in vLLM)."""
-        head = self.trainer.draft if head is None else head
-        if self.cfg.method == "eagle3" and head.cfg.share_embeddings:
-            with torch.no_grad():
-                head.embed_tokens.weight.copy_(self.policy.get_input_embeddings().weight)
+        self.method.refresh_shared(self.trainer.draft if head is None else head, self.policy)
 
     def live_draft(self):
         """The newest published draft as the engine serves it (shared modules from the current
@@ -630,13 +615,9 @@ class DraftAdapter:
 
     def _publish_module(self, module, policy_version: int) -> tuple[int, Any]:
         """Write ``module`` as the next version; returns (version, module in eval mode), now the live draft."""
-        from draftadapt.drafts.init import export_draft
-
-        fmt = self.format if self.format in ("speculators", "eagle") else "speculators"
-
         def write(tmp: Path, version: int) -> None:
-            export_draft(module, self.cfg.method, tmp, self.policy_dir, fmt=fmt, num_speculative_tokens=self.cfg.k,
-                         meta={"policy_version": int(policy_version), "version": version})
+            self.method.export(module, tmp, self.policy_dir, fmt=self.format, num_speculative_tokens=self.cfg.k,
+                               meta={"policy_version": int(policy_version), "version": version})
 
         version, _ = self.store.publish(write, policy_version=int(policy_version))
         return version, module.eval()

@@ -24,14 +24,10 @@ from typing import Any
 
 import torch
 
-from draftadapt.drafts.formats import DraftFormatError, detect_format, read_hf_config
+from draftadapt.drafts.formats import DraftFormatError
+from draftadapt.drafts.methods import method_of_dir
 
 GREEDY_EPS = 1e-4  # temperature 0 is greedy: capture at a tiny temperature (one-hot target)
-
-
-def draft_method(draft_dir: str | Path) -> str:
-    """'eagle3' or 'draft_model', from the draft directory's config."""
-    return "draft_model" if detect_format(read_hf_config(draft_dir)) == "hf" else "eagle3"
 
 
 def eval_prompts(target: str | Path, num: int, seed: int) -> list[str]:
@@ -71,9 +67,9 @@ def simulate_on_rollouts(target: Path, draft: Path, method: str, rollouts, k: in
     """Simulated acceptance of ``draft`` on the target's samples ``rollouts`` (visited, all starts)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from draftadapt.capture.hidden import TargetCapture, iter_captured
+    from draftadapt.capture.hidden import iter_captured
     from draftadapt.data.sequences import Sequence, collate
-    from draftadapt.drafts.vocab import draft_to_target_ids
+    from draftadapt.drafts.methods import method_for
     from draftadapt.train.trainer import score_draft
 
     if threads:
@@ -81,19 +77,9 @@ def simulate_on_rollouts(target: Path, draft: Path, method: str, rollouts, k: in
     tok = AutoTokenizer.from_pretrained(str(target))
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
     target_model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
-    if method == "eagle3":
-        from draftadapt.drafts.formats import load_eagle3
-
-        model = load_eagle3(draft, target).eval()
-        aux = model.cfg.aux_layer_ids
-        reduced = model.cfg.draft_vocab_size != model.cfg.target_vocab_size
-        vocab_ids = draft_to_target_ids(model.d2t) if reduced else None
-    else:
-        from draftadapt.drafts.small_lm import load_small_lm
-
-        model = load_small_lm(draft).eval()
-        aux, vocab_ids = None, None
-    capture = TargetCapture(target_model, aux, vocab_ids, temperature=max(temperature, GREEDY_EPS))
+    m = method_for(method)
+    model = m.load(draft, target).eval()
+    capture = m.target_capture(target_model, model, max(temperature, GREEDY_EPS))
     seqs = [Sequence(list(r.prompt_token_ids), list(r.token_ids)) for r in rollouts]
     batches = (collate(seqs[i : i + batch_size], pad_id) for i in range(0, len(seqs), batch_size))
     return score_draft(model, iter_captured(capture, batches), k)
@@ -103,7 +89,7 @@ def evaluate(target: str | Path, draft: str | Path, k: int = 3, temperature: flo
              max_tokens: int = 96, seed: int = 0, repeats: int = 1, threads: int | None = None,
              prompts: list[str] | None = None) -> dict[str, Any]:
     target, draft = Path(target), Path(draft)
-    method = draft_method(draft)
+    method = method_of_dir(draft).name
     prompts = prompts if prompts is not None else eval_prompts(target, num_prompts, seed)
     spec_runs = _run_engine(target, draft, method, k, prompts, temperature, max_tokens, seed, repeats, threads)
     plain_runs = _run_engine(target, None, method, k, prompts, temperature, max_tokens, seed, repeats, threads)

@@ -98,8 +98,10 @@ class PretrainConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def validate(self) -> None:
-        if self.method not in ("eagle3", "draft_model"):
-            raise ConfigError(f"method {self.method!r}: use 'eagle3' or 'draft_model'")
+        from draftadapt.drafts.methods import METHODS
+
+        if self.method not in METHODS:
+            raise ConfigError(f"method {self.method!r}: use one of {', '.join(METHODS)}")
         if not self.target:
             raise ConfigError("target is empty: pass target=DIR (an HF model dir; the toy: `draftadapt toy build --out DIR`)")
         if not self.out:
@@ -207,27 +209,6 @@ def _regenerate_data(cfg: PretrainConfig, target: Path, data_dir: Path) -> None:
     save_sequences(train_file, train)  # last: its presence means the data is complete
 
 
-def _build_draft(cfg: PretrainConfig, target: Path, target_model, train_seqs):
-    if cfg.method == "eagle3":
-        from draftadapt.data.prompts import token_counts
-        from draftadapt.drafts.eagle3 import init_from_target, with_intermediate_size
-
-        counts = token_counts(train_seqs, target_model.config.vocab_size) if cfg.draft.draft_vocab else None
-        head = init_from_target(target_model, cfg.draft.aux_layer_ids or None, cfg.draft.draft_vocab or None,
-                                counts, cfg.draft.seed)
-        if cfg.draft.intermediate_size:
-            head = with_intermediate_size(head, cfg.draft.intermediate_size, cfg.draft.seed)
-        return head
-    from draftadapt.drafts.small_lm import build_small_lm
-
-    model = build_small_lm(target, cfg.draft.num_layers, cfg.draft.hidden_size, cfg.draft.num_heads, cfg.draft.seed)
-    with torch.no_grad():  # start from the target's token geometry, as the Eagle-3 head does
-        emb = target_model.get_input_embeddings().weight
-        if emb.shape == model.get_input_embeddings().weight.shape:
-            model.get_input_embeddings().weight.copy_(emb)
-    return model
-
-
 def _latest_checkpoint(ckpt_dir: Path) -> Path | None:
     from draftadapt.train.trainer import STATE_FILE
 
@@ -246,10 +227,9 @@ def _prune_checkpoints(ckpt_dir: Path, keep: int) -> None:
 def pretrain(cfg: PretrainConfig) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from draftadapt.capture.hidden import TargetCapture
     from draftadapt.capture.store import CaptureStore
     from draftadapt.data.sequences import batch_order, collate, epoch_plan, load_sequences
-    from draftadapt.drafts.vocab import draft_to_target_ids
+    from draftadapt.drafts.methods import method_for
     from draftadapt.metrics.logger import make_logger
     from draftadapt.train.trainer import DraftTrainer, acceptance_metrics, make_accelerator
 
@@ -275,15 +255,14 @@ def pretrain(cfg: PretrainConfig) -> dict:
     target_model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
     for p in target_model.parameters():
         p.requires_grad_(False)
-    draft = _build_draft(cfg, target, target_model, train_seqs)
-    aux_ids = draft.cfg.aux_layer_ids if cfg.method == "eagle3" else None
-    vocab_ids = draft_to_target_ids(draft.d2t) if cfg.method == "eagle3" and draft.cfg.draft_vocab_size != draft.cfg.target_vocab_size else None
-    capture = TargetCapture(target_model, aux_ids, vocab_ids, temperature=cfg.generate.temperature)
+    method = method_for(cfg.method)
+    draft = method.build(target, target_model, cfg.draft, train_seqs)
+    capture = method.target_capture(target_model, draft, cfg.generate.temperature)
 
     order = batch_order([len(s) for s in train_seqs], cfg.train.batch_size, cfg.train.seed)
     per_epoch = len(order) // world
     total = cfg.max_steps if cfg.max_steps > 0 else per_epoch * cfg.epochs
-    trainer = DraftTrainer(draft, cfg.method, cfg.train, total_steps=total, accelerator=accelerator, pad_id=pad_id)
+    trainer = DraftTrainer(draft, method, cfg.train, total_steps=total, accelerator=accelerator, pad_id=pad_id)
     start_epoch, start_batch = 0, 0
     latest = _latest_checkpoint(ckpt_dir) if ckpt_dir.is_dir() else None
     if latest is not None:
@@ -294,7 +273,8 @@ def pretrain(cfg: PretrainConfig) -> dict:
     logger = make_logger(cfg.log, run, enabled=is_main)
 
     # Captures depend on what is captured: a changed recipe gets fresh shards, not stale ones.
-    what = [aux_ids, None if vocab_ids is None else vocab_ids.tolist(), cfg.generate.temperature,
+    vocab_ids = capture.draft_to_target  # None: the whole vocabulary
+    what = [capture.aux_layer_ids or None, None if vocab_ids is None else vocab_ids.tolist(), cfg.generate.temperature,
             cfg.train.batch_size, cfg.train.seed, cfg.capture_dtype]
     store = None
     if cfg.cache_capture:
@@ -376,9 +356,7 @@ def pretrain(cfg: PretrainConfig) -> dict:
     if is_main:
         meta = {"version": 0, "policy_version": 0,
                 "pretrain": {k: summary[k] for k in ("steps", "acceptance_length_simulated", "per_position_acceptance")}}
-        from draftadapt.drafts.init import export_draft
-
-        export_draft(draft_out, cfg.method, out, target, fmt=cfg.draft.format, num_speculative_tokens=cfg.k, meta=meta)
+        method.export(draft_out, out, target, fmt=cfg.draft.format, num_speculative_tokens=cfg.k, meta=meta)
         if store is not None and not cfg.keep_capture:
             shutil.rmtree(run / "capture", ignore_errors=True)
         summary["seconds"] = round(time.perf_counter() - t_start, 1)

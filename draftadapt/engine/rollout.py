@@ -27,7 +27,6 @@ import torch
 from draftadapt.drafts.formats import (
     META_FILE,
     WEIGHTS_FILE,
-    DraftFormatError,
     check_draft_for_target,
     dtype_name,
     identity_mismatch,
@@ -35,6 +34,7 @@ from draftadapt.drafts.formats import (
     read_hf_config,
     target_fingerprint,
 )
+from draftadapt.drafts.methods import check_serves, method_for
 from draftadapt.metrics.acceptance import AcceptanceStats
 
 WORKER_EXT = "draftadapt.engine.worker_ext.DraftAdaptWorkerExtension"
@@ -182,14 +182,9 @@ class RolloutEngine:
         self.draft_dir: Path | None = None
         meta: dict[str, Any] = {}
         if draft is not None:
-            if method not in ("eagle3", "draft_model"):
-                raise DraftFormatError(f"unknown draft method {method!r}; use eagle3 or draft_model")
+            spec_method = method_for(method)
             meta = check_draft_for_target(draft, self.target)
-            fmt = meta.get("format")
-            if method == "eagle3" and fmt == "hf":
-                raise DraftFormatError(f"{draft} is an HF draft LM; start the engine with method='draft_model'")
-            if method == "draft_model" and fmt in ("speculators", "eagle"):
-                raise DraftFormatError(f"{draft} is an Eagle-3 head; start the engine with method='eagle3'")
+            check_serves(spec_method, draft, meta.get("format"), "start the engine with method='{method}'")
             self.draft_dir = Path(draft)
             self._draft_ref_shapes = _weight_shapes(self.draft_dir / WEIGHTS_FILE)
 
@@ -214,9 +209,7 @@ class RolloutEngine:
         envs.disable_envs_cache()
         spec = None
         if draft is not None:
-            spec = {"method": method, "model": str(draft), "num_speculative_tokens": num_speculative_tokens}
-            if method == "draft_model":
-                spec["max_model_len"] = max_model_len
+            spec = spec_method.speculative_config(draft, num_speculative_tokens, max_model_len)
         t0 = time.perf_counter()
         try:
             self.llm = LLM(

@@ -4,7 +4,8 @@ Data parallel wrappers (DDP, DeepSpeed engines) hook ``forward``: the Eagle-3 un
 through it, not through a side method, or gradients are not reduced across ranks. Both modules
 return *step logits* in one convention (see ``metrics.acceptance.simulate_acceptance``):
 ``step_logits[i][:, t]`` are the draft's logits for token t + i + 2, i.e. position i of a draft
-made right after token t + 1 became known.
+made right after token t + 1 became known. Which wrapper a draft gets, and how each is called,
+is its method's answer (``drafts/methods.py``).
 """
 
 from __future__ import annotations
@@ -13,10 +14,7 @@ import torch
 from torch import nn
 
 from draftadapt.drafts.eagle3 import Eagle3Head
-from draftadapt.drafts.vocab import draft_to_target_ids
 from draftadapt.metrics.acceptance import shift_left
-
-METHODS = ("eagle3", "draft_model")
 
 
 class Eagle3TTT(nn.Module):
@@ -76,32 +74,3 @@ def lm_step_logits(logits: torch.Tensor, k: int) -> list[torch.Tensor]:
     simply its prediction at position t + i + 1.
     """
     return [shift_left(logits, i + 1, 0.0) for i in range(k)]
-
-
-def wrap_draft(draft: nn.Module, method: str, ttt_steps: int = 3, feed: str = "data", pad_id: int = 0) -> nn.Module:
-    if method == "eagle3":
-        if not isinstance(draft, Eagle3Head):
-            raise TypeError(f"method 'eagle3' trains an Eagle3Head, got {type(draft).__name__}")
-        return Eagle3TTT(draft, ttt_steps, feed, pad_id)
-    if method == "draft_model":
-        return DraftLMForward(draft)
-    raise ValueError(f"unknown draft method {method!r}; use one of {METHODS}")
-
-
-def unwrap_draft(module: nn.Module) -> nn.Module:
-    return module.head if isinstance(module, Eagle3TTT) else module.model
-
-
-def draft_vocab_ids(module: nn.Module) -> torch.Tensor:
-    """[Vd] target id of each draft id (identity for a draft LM, which shares the vocabulary)."""
-    if isinstance(module, Eagle3TTT):
-        return draft_to_target_ids(module.head.d2t.cpu())
-    return torch.arange(module.model.config.vocab_size)
-
-
-def step_logits(module: nn.Module, batch, k: int) -> list[torch.Tensor]:
-    """Run the (possibly wrapped) forward module on a CapturedBatch -> k step logits [B, T, Vd]."""
-    inner = getattr(module, "module", module)  # DDP / DeepSpeed keep the model at .module
-    if isinstance(inner, Eagle3TTT):
-        return module(batch.input_ids, batch.aux, k)
-    return lm_step_logits(module(batch.input_ids, batch.attention_mask), k)

@@ -27,18 +27,10 @@ import torch
 from torch import nn
 
 from draftadapt.capture.hidden import CapturedBatch
+from draftadapt.drafts.methods import DraftMethod, method_for
 from draftadapt.metrics.acceptance import AcceptanceStats, simulate_acceptance
 from draftadapt.tensors import all_finite
 from draftadapt.train import losses
-from draftadapt.train.forward import (
-    DraftLMForward,
-    Eagle3TTT,
-    draft_vocab_ids,
-    lm_step_logits,
-    step_logits,
-    unwrap_draft,
-    wrap_draft,
-)
 
 STATE_FILE = "trainer_state.json"
 
@@ -176,18 +168,18 @@ def lr_lambda(cfg: TrainConfig, total_steps: int | None):
 class DraftTrainer:
     """Owns the draft, its optimizer, schedule and step counter; see the module docstring."""
 
-    def __init__(self, draft: nn.Module, method: str, cfg: TrainConfig, total_steps: int | None = None,
+    def __init__(self, draft: nn.Module, method: str | DraftMethod, cfg: TrainConfig, total_steps: int | None = None,
                  accelerator=None, pad_id: int = 0):
         # Nothing here changes process-wide state of a host RL framework (docs/design.md, "TRL
         # integration"): cfg.threads applies inside this trainer's own steps only, the seed to a
         # forked RNG, and an accelerate state someone else set up is reused as it is.
         self.cfg = cfg
-        self.method = method
+        self.method = method_for(method)
         self.accelerator = accelerator or make_accelerator(cfg)
         self.is_deepspeed = self.accelerator.state.deepspeed_plugin is not None
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.seed)
-            module = wrap_draft(draft, method, cfg.ttt_steps, cfg.ttt_feed, pad_id)
+            module = self.method.wrap(draft, cfg.ttt_steps, cfg.ttt_feed, pad_id)
         module.train()
         decay, no_decay = [], []
         for name, p in module.named_parameters():
@@ -200,7 +192,7 @@ class DraftTrainer:
         )
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, total_steps))
         self.model, self.optimizer, self.scheduler = self.accelerator.prepare(module, opt, sched)
-        self._vocab_ids = draft_vocab_ids(module)  # [Vd] target id of each draft id
+        self._vocab_ids = self.method.vocab_ids(draft)  # [Vd] target id of each draft id
         t2d = torch.full((int(self._vocab_ids.max()) + 1,), -1, dtype=torch.long)
         t2d[self._vocab_ids] = torch.arange(self._vocab_ids.numel())
         self._target_to_draft = t2d  # target id -> draft id, -1 outside the draft vocab
@@ -213,7 +205,7 @@ class DraftTrainer:
     @property
     def draft(self) -> nn.Module:
         """The bare draft (Eagle3Head or HF model) for export; shares parameters with training."""
-        return unwrap_draft(self.accelerator.unwrap_model(self.model))
+        return self.method.unwrap(self.accelerator.unwrap_model(self.model))
 
     def export_draft(self) -> nn.Module:
         """A full-weight CPU copy of the draft for export (gathers ZeRO-3 partitions; all ranks call it)."""
@@ -221,7 +213,7 @@ class DraftTrainer:
 
         state = self.accelerator.get_state_dict(self.model)  # names of the wrapper: head.* / model.*
         draft = copy.deepcopy(self.draft).cpu()
-        prefix = "head." if self.method == "eagle3" else "model."
+        prefix = self.method.wrapper_prefix
         if state is not None:
             draft.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
         return draft.eval()
@@ -254,27 +246,8 @@ class DraftTrainer:
         return slots, loss_mask.gather(1, slots)
 
     def _loss(self, batch: CapturedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[torch.Tensor]]:
-        if self.method == "eagle3":
-            slots, slot_ok = self._slots(batch.loss_mask)
-            if slots is None:
-                steps = step_logits(self.model, batch, self.cfg.ttt_steps)
-            else:
-                steps = self.model(batch.input_ids, batch.aux, self.cfg.ttt_steps, slots)
-            loss, per_step, accs = losses.ttt_loss(
-                steps, batch.target_logp, batch.loss_mask, self.weights, self.cfg.loss,
-                self._sampled_draft_ids(batch.input_ids) if self.cfg.loss == "ce" else None,
-                slots, slot_ok,
-            )
-            if slots is not None:
-                steps = []  # not every position: no simulated acceptance on this batch
-        else:
-            logits = self.model(batch.input_ids, batch.attention_mask)
-            loss, acc = losses.distill_loss(
-                logits, batch.target_logp, batch.loss_mask, self.cfg.loss,
-                self._sampled_draft_ids(batch.input_ids) if self.cfg.loss == "ce" else None,
-            )
-            per_step, accs = [loss.detach()], [acc]
-            steps = lm_step_logits(logits.detach(), self.cfg.ttt_steps)
+        labels = self._sampled_draft_ids(batch.input_ids) if self.cfg.loss == "ce" else None
+        loss, per_step, accs, steps = self.method.loss(self.model, batch, self.cfg, self.weights, labels, self._slots)
         parts = {f"loss_pos_{i}": l for i, l in enumerate(per_step)}
         parts.update({f"acc_pos_{i}": a for i, a in enumerate(accs)})
         return loss, parts, steps
@@ -355,7 +328,7 @@ class DraftTrainer:
         (stats over the starts vLLM visits, stats over every start), summed over ranks.
         """
         self.model.eval()
-        visited, uniform = score_draft(self.model, batches, k, self._vocab_ids, self.device)
+        visited, uniform = _score(self.method, self.model, batches, k, self._vocab_ids, self.device)
         self.model.train()
         v = self.accelerator.reduce(visited.to_tensor().to(self.device), reduction="sum").cpu()
         u = self.accelerator.reduce(uniform.to_tensor().to(self.device), reduction="sum").cpu()
@@ -376,7 +349,7 @@ class DraftTrainer:
         self.accelerator.save_state(str(tmp))
         self.accelerator.wait_for_everyone()
         if self.is_main:
-            state = {"step": self.step, "method": self.method, **(extra or {})}
+            state = {"step": self.step, "method": self.method.name, **(extra or {})}
             (tmp / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
             if path.exists():
                 shutil.rmtree(path)
@@ -413,8 +386,8 @@ class DraftTrainer:
         if not state_file.is_file():
             raise FileNotFoundError(f"{path} is not a complete checkpoint (no {STATE_FILE}); delete it and resume from an earlier one")
         state = json.loads(state_file.read_text())
-        if state.get("method") not in (None, self.method):
-            raise ValueError(f"{path} is a {state['method']} checkpoint; this trainer trains {self.method}")
+        if state.get("method") not in (None, self.method.name):
+            raise ValueError(f"{path} is a {state['method']} checkpoint; this trainer trains {self.method.name}")
         self.accelerator.load_state(str(path))
         self.step = int(state["step"])
         return state
@@ -425,26 +398,21 @@ def _torch_optimizer(opt) -> torch.optim.Optimizer:
     return getattr(opt, "optimizer", opt)
 
 
+def score_draft(draft: nn.Module, batches: Iterable[CapturedBatch], k: int) -> tuple[AcceptanceStats, AcceptanceStats]:
+    """Simulated acceptance of a bare draft (Eagle3Head or HF draft LM) on captured held-out
+    data, on this process only. Returns (visited-starts stats, every-start stats), both summed."""
+    method = method_for(draft)
+    return _score(method, method.wrap(draft, k), batches, k, method.vocab_ids(draft))
+
+
 @torch.no_grad()
-def score_draft(module: nn.Module, batches: Iterable[CapturedBatch], k: int, vocab_ids: torch.Tensor | None = None,
-                device: torch.device | str = "cpu") -> tuple[AcceptanceStats, AcceptanceStats]:
-    """Simulated acceptance of a draft on captured held-out data, on this process only.
-
-    module: a forward module from ``train.forward.wrap_draft`` (or a bare Eagle3Head / HF draft
-    LM, wrapped here). Returns (visited-starts stats, every-start stats), both summed.
-    """
-    inner = getattr(module, "module", module)  # DDP / DeepSpeed wrappers
-    if not isinstance(inner, (Eagle3TTT, DraftLMForward)):
-        from draftadapt.drafts.eagle3 import Eagle3Head
-
-        module = wrap_draft(module, "eagle3" if isinstance(module, Eagle3Head) else "draft_model", k)
-        inner = module
-    if vocab_ids is None:
-        vocab_ids = draft_vocab_ids(inner)
+def _score(method: DraftMethod, model: nn.Module, batches: Iterable[CapturedBatch], k: int, vocab_ids: torch.Tensor,
+           device: torch.device | str = "cpu") -> tuple[AcceptanceStats, AcceptanceStats]:
+    """``model``: the draft wrapped for its method (``method.wrap``, maybe inside DDP)."""
     visited, uniform = AcceptanceStats(k), AcceptanceStats(k)
     for batch in batches:
         batch = batch.to(device)
-        steps = step_logits(module, batch, k)
+        steps = method.step_logits(model, batch, k)
         v, u = simulate_acceptance(steps, vocab_ids, batch.target_logp, batch.input_ids, batch.loss_mask)
         visited, uniform = visited + v, uniform + u
     return visited, uniform

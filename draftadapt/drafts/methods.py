@@ -1,0 +1,236 @@
+"""The draft methods: what differs between an Eagle-3 head and a small draft LM, one class each.
+
+    method = method_for("eagle3")                  # a name, a draft module or a method
+    draft = method.load(draft_dir, target_dir)     # or .init(...) / .build(...) for a new one
+    capture = method.target_capture(policy, draft, temperature)   # aux layers, draft vocabulary
+    forward = method.wrap(draft, ttt_steps)        # what the trainer steps (TTT unroll or plain LM)
+    method.export(draft, out_dir, target_dir)      # a draft directory vLLM serves
+
+Every question whose answer depends on the method (how a draft is made, loaded, exported, served,
+captured for, trained and scored) is answered here and nowhere else (docs/design.md, "Draft
+methods"). Plain classes, no registry: a third method (MTP) is a third class and a line in
+:func:`method_for`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from draftadapt.capture.hidden import TargetCapture
+from draftadapt.drafts.eagle3 import Eagle3Head
+from draftadapt.drafts.formats import DraftFormatError, detect_format, export_eagle3, load_eagle3, read_hf_config
+from draftadapt.drafts.vocab import draft_to_target_ids
+from draftadapt.train import losses
+from draftadapt.train.forward import DraftLMForward, Eagle3TTT, lm_step_logits
+
+METHODS = ("eagle3", "draft_model")  # the names configs, the CLI and vLLM's speculative_config use
+
+
+class Eagle3Method:
+    """An Eagle-3 head on the target's aux hidden states (vLLM ``method="eagle3"``)."""
+
+    name = "eagle3"
+    describe = "an Eagle-3 head"
+    formats = ("speculators", "eagle")  # its checkpoint layouts (drafts/formats.py)
+    wrapper_prefix = "head."  # the draft's parameter names inside its training wrapper
+
+    # ------------------------------------------------------------------ making and keeping drafts
+
+    def init(self, target: str | Path, seed: int = 0, source: str | Path | None = None,
+             draft_vocab: int | None = None) -> Eagle3Head:
+        """``draft init``: a fresh head for ``target`` (or ``source``, an existing head, imported)."""
+        if source is not None:
+            return load_eagle3(source, target)
+        from transformers import AutoModelForCausalLM
+
+        from draftadapt.drafts.eagle3 import init_from_target
+
+        model = AutoModelForCausalLM.from_pretrained(str(target))
+        return init_from_target(model, None, draft_vocab, None, seed)
+
+    def build(self, target: Path, target_model: nn.Module, cfg, train_seqs) -> Eagle3Head:
+        """Pretraining's fresh head (``cfg``: pretrain.DraftConfig): aux layers, a draft vocabulary
+        of the most frequent response tokens, an MLP width."""
+        from draftadapt.data.prompts import token_counts
+        from draftadapt.drafts.eagle3 import init_from_target, with_intermediate_size
+
+        counts = token_counts(train_seqs, target_model.config.vocab_size) if cfg.draft_vocab else None
+        head = init_from_target(target_model, cfg.aux_layer_ids or None, cfg.draft_vocab or None, counts, cfg.seed)
+        if cfg.intermediate_size:
+            head = with_intermediate_size(head, cfg.intermediate_size, cfg.seed)
+        return head
+
+    def load(self, draft_dir: str | Path, target_dir: str | Path) -> Eagle3Head:
+        return load_eagle3(draft_dir, target_dir)
+
+    def export(self, draft: Eagle3Head, out: str | Path, target: str | Path, fmt: str | None = "speculators",
+               num_speculative_tokens: int = 3, meta: dict | None = None) -> Path:
+        """Write ``draft`` as a draft directory vLLM loads, in layout ``fmt`` (None: speculators)."""
+        return export_eagle3(draft, out, target, fmt=fmt or "speculators",
+                             num_speculative_tokens=num_speculative_tokens, meta=meta)
+
+    def speculative_config(self, draft_dir: str | Path, k: int, max_model_len: int) -> dict[str, Any]:
+        """vLLM's ``speculative_config``. ``method`` is always named: an Eagle-3 head served as
+        EAGLE runs without an error at acceptance 1.0 (docs/design.md, "Eagle-3 aux layers")."""
+        return {"method": self.name, "model": str(draft_dir), "num_speculative_tokens": k}
+
+    # ------------------------------------------------------------------ what it learns from
+
+    def aux_layer_ids(self, draft: Eagle3Head) -> list[int] | None:
+        return list(draft.cfg.aux_layer_ids)
+
+    def vocab_ids(self, draft: Eagle3Head) -> torch.Tensor:
+        """[Vd] target id of each draft id."""
+        return draft_to_target_ids(draft.d2t.cpu())
+
+    def target_capture(self, policy: nn.Module, draft: Eagle3Head, temperature: float) -> TargetCapture:
+        """What the policy's forward must give this draft: its aux layers and its vocabulary's log-probs."""
+        return TargetCapture(policy, self.aux_layer_ids(draft), self.vocab_ids(draft), temperature=temperature)
+
+    def refresh_shared(self, draft: Eagle3Head, policy: nn.Module) -> None:
+        """A head that shares the target's embed_tokens sees the policy's current ones (as in vLLM)."""
+        if draft.cfg.share_embeddings:
+            with torch.no_grad():
+                draft.embed_tokens.weight.copy_(policy.get_input_embeddings().weight)
+
+    # ------------------------------------------------------------------ training and scoring
+
+    def wrap(self, draft: nn.Module, ttt_steps: int = 3, feed: str = "data", pad_id: int = 0) -> Eagle3TTT:
+        if not isinstance(draft, Eagle3Head):
+            raise TypeError(f"method 'eagle3' trains an Eagle3Head, got {type(draft).__name__}")
+        return Eagle3TTT(draft, ttt_steps, feed, pad_id)
+
+    def unwrap(self, module: Eagle3TTT) -> Eagle3Head:
+        return module.head
+
+    def step_logits(self, model: nn.Module, batch, k: int) -> list[torch.Tensor]:
+        """The wrapped forward (or its DDP / DeepSpeed wrapper) on a CapturedBatch -> k x [B, T, Vd]."""
+        return model(batch.input_ids, batch.aux, k)
+
+    def loss(self, model: nn.Module, batch, cfg, weights: list[float], labels: torch.Tensor | None, draw_slots):
+        """(loss, per-step losses, per-step accuracies, step logits for the simulated acceptance or
+        [] when TTT steps >= 1 ran at ``draw_slots(loss_mask)`` only)."""
+        slots, slot_ok = draw_slots(batch.loss_mask)
+        if slots is None:
+            steps = self.step_logits(model, batch, cfg.ttt_steps)
+        else:
+            steps = model(batch.input_ids, batch.aux, cfg.ttt_steps, slots)
+        loss, per_step, accs = losses.ttt_loss(steps, batch.target_logp, batch.loss_mask, weights, cfg.loss,
+                                               labels, slots, slot_ok)
+        if slots is not None:
+            steps = []  # not every position: no simulated acceptance on this batch
+        return loss, per_step, accs, steps
+
+
+class DraftLMMethod:
+    """A small draft LM sharing the target's tokenizer (vLLM ``method="draft_model"``)."""
+
+    name = "draft_model"
+    describe = "an HF draft LM"
+    formats = ("hf",)
+    wrapper_prefix = "model."
+
+    def init(self, target: str | Path, seed: int = 0, source: str | Path | None = None,
+             draft_vocab: int | None = None) -> nn.Module:
+        if source is not None:
+            raise DraftFormatError("--from imports Eagle-3 heads; a draft LM is an HF model dir already")
+        from draftadapt.drafts.small_lm import build_small_lm
+
+        return build_small_lm(target, seed=seed)
+
+    def build(self, target: Path, target_model: nn.Module, cfg, train_seqs) -> nn.Module:
+        from draftadapt.drafts.small_lm import build_small_lm
+
+        model = build_small_lm(target, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.seed)
+        with torch.no_grad():  # start from the target's token geometry, as the Eagle-3 head does
+            emb = target_model.get_input_embeddings().weight
+            if emb.shape == model.get_input_embeddings().weight.shape:
+                model.get_input_embeddings().weight.copy_(emb)
+        return model
+
+    def load(self, draft_dir: str | Path, target_dir: str | Path | None = None) -> nn.Module:
+        from draftadapt.drafts.small_lm import load_small_lm
+
+        return load_small_lm(draft_dir)
+
+    def export(self, draft: nn.Module, out: str | Path, target: str | Path, fmt: str | None = None,
+               num_speculative_tokens: int = 3, meta: dict | None = None) -> Path:
+        """An HF model directory with the target's tokenizer (``fmt`` is Eagle-3's; ignored here)."""
+        from draftadapt.drafts.small_lm import export_small_lm
+
+        return export_small_lm(draft, out, target, meta=meta)
+
+    def speculative_config(self, draft_dir: str | Path, k: int, max_model_len: int) -> dict[str, Any]:
+        # vLLM sizes the draft model's own KV cache from it
+        return {"method": self.name, "model": str(draft_dir), "num_speculative_tokens": k,
+                "max_model_len": max_model_len}
+
+    def aux_layer_ids(self, draft: nn.Module) -> list[int] | None:
+        return None  # it runs on tokens alone
+
+    def vocab_ids(self, draft: nn.Module) -> torch.Tensor:
+        return torch.arange(draft.config.vocab_size)  # the target's vocabulary
+
+    def target_capture(self, policy: nn.Module, draft: nn.Module, temperature: float) -> TargetCapture:
+        return TargetCapture(policy, None, None, temperature=temperature)
+
+    def refresh_shared(self, draft: nn.Module, policy: nn.Module) -> None:
+        pass  # its embeddings are its own
+
+    def wrap(self, draft: nn.Module, ttt_steps: int = 3, feed: str = "data", pad_id: int = 0) -> DraftLMForward:
+        return DraftLMForward(draft)
+
+    def unwrap(self, module: DraftLMForward) -> nn.Module:
+        return module.model
+
+    def step_logits(self, model: nn.Module, batch, k: int) -> list[torch.Tensor]:
+        return lm_step_logits(model(batch.input_ids, batch.attention_mask), k)
+
+    def loss(self, model: nn.Module, batch, cfg, weights: list[float], labels: torch.Tensor | None, draw_slots):
+        logits = model(batch.input_ids, batch.attention_mask)
+        loss, acc = losses.distill_loss(logits, batch.target_logp, batch.loss_mask, cfg.loss, labels)
+        return loss, [loss.detach()], [acc], lm_step_logits(logits.detach(), cfg.ttt_steps)
+
+
+EAGLE3 = Eagle3Method()
+DRAFT_LM = DraftLMMethod()
+DraftMethod = Eagle3Method | DraftLMMethod
+
+
+def method_for(what: str | nn.Module | DraftMethod) -> DraftMethod:
+    """The method of a name ("eagle3", "draft_model"), of a draft module (bare or wrapped for
+    training), or a method itself."""
+    if isinstance(what, (Eagle3Method, DraftLMMethod)):
+        return what
+    if isinstance(what, str):
+        if what == EAGLE3.name:
+            return EAGLE3
+        if what == DRAFT_LM.name:
+            return DRAFT_LM
+        raise DraftFormatError(f"unknown draft method {what!r}; use one of {', '.join(METHODS)}")
+    inner = getattr(what, "module", what)  # DDP / DeepSpeed keep the model at .module
+    return EAGLE3 if isinstance(inner, (Eagle3Head, Eagle3TTT)) else DRAFT_LM
+
+
+def method_of_format(fmt: str) -> DraftMethod:
+    """The method that serves a checkpoint layout (``formats.detect_format``)."""
+    return DRAFT_LM if fmt in DRAFT_LM.formats else EAGLE3
+
+
+def method_of_dir(draft_dir: str | Path) -> DraftMethod:
+    """The method of a draft directory, from its config."""
+    return method_of_format(detect_format(read_hf_config(draft_dir)))
+
+
+def check_serves(method: DraftMethod, draft_dir: str | Path, fmt: str | None, fix: str,
+                 error: type[Exception] = DraftFormatError) -> None:
+    """Refuse a draft directory in another method's layout (``fix``: what to set, with
+    ``{method}`` for the right one): served or trained as the wrong method it runs without an
+    error at acceptance 1.0 (docs/design.md, "Eagle-3 aux layers")."""
+    if fmt is not None and fmt not in method.formats:
+        right = method_of_format(fmt)
+        raise error(f"{draft_dir} is {right.describe}; " + fix.format(method=right.name))
