@@ -53,7 +53,7 @@ from draftadapt.drafts.formats import (
 )
 from draftadapt.drafts.methods import METHODS, DraftMethod, check_serves, method_for
 from draftadapt.fileio import atomic_path
-from draftadapt.tensors import all_finite
+from draftadapt.tensors import all_finite, load_safetensors
 from draftadapt.train.trainer import DraftTrainer, TrainConfig, score_draft
 
 log = logging.getLogger("draftadapt.adapter")
@@ -403,14 +403,10 @@ class DraftAdapter:
             sd = weights_or_path
         else:
             p = Path(weights_or_path)
-            from safetensors.torch import load_file
-
             files = sorted(p.glob("*.safetensors")) if p.is_dir() else [p]
             if not files:
                 raise FileNotFoundError(f"no *.safetensors policy weights in {p}")
-            sd = {}
-            for f in files:
-                sd.update(load_file(str(f)))
+            sd = load_safetensors(files)
         self._check_policy_weights(sd)
         self.policy.load_state_dict(sd, strict=False)
         self.policy_version = version
@@ -456,13 +452,13 @@ class DraftAdapter:
             return CapturedBatch(batch["input_ids"], batch["attention_mask"], batch["loss_mask"],
                                  _pad_rows([it.tensors["target_logp"] for it in items], batch["input_ids"].shape[1]),
                                  _pad_rows([it.tensors.get("aux_hidden") for it in items], batch["input_ids"].shape[1]))
-        logp, aux = self.capture(batch["input_ids"], batch["attention_mask"])
-        if aux is not None:
+        captured = self.capture.capture(batch)
+        if captured.aux is not None:
             for r, it in enumerate(items):
                 h = it.tensors.get("aux_hidden")
                 if h is not None and it.policy_version == self.policy_version:
-                    aux[r, : h.shape[0]] = h.to(aux.dtype)
-        return CapturedBatch(batch["input_ids"], batch["attention_mask"], batch["loss_mask"], logp, aux)
+                    captured.aux[r, : h.shape[0]] = h.to(captured.aux.dtype)
+        return captured
 
     def _batches(self, items: list[ReplayItem], size: int) -> list[CapturedBatch]:
         return [self._captured(items[i: i + size]) for i in range(0, len(items), size)]

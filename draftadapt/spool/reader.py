@@ -51,6 +51,7 @@ from draftadapt.spool.format import (
     check_manifest,
     check_rollout_tensors,
 )
+from draftadapt.tensors import load_safetensors
 
 log = logging.getLogger(__name__)
 
@@ -111,10 +112,7 @@ class PolicyCheckpoint:
     manifest: dict[str, Any]
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        sd: dict[str, torch.Tensor] = {}
-        for f in self.weight_files:
-            sd.update(load_file(str(f)))
-        return sd
+        return load_safetensors(self.weight_files)
 
 
 class SpoolCursor:
