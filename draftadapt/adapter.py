@@ -28,7 +28,6 @@ import logging
 import math
 import random
 import time
-import weakref
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,28 +36,17 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from draftadapt.capture.hidden import CapturedBatch, HandOver
+from draftadapt.capture.policy import PolicyCopy, Targets
 from draftadapt.config import ConfigError
 from draftadapt.data.replay import ReplayBuffer, ReplayItem
 from draftadapt.data.sequences import Sequence as TokenSeq
-from draftadapt.data.sequences import collate
 from draftadapt.data.store import DraftStore
-from draftadapt.drafts.formats import (
-    DraftFormatError,
-    check_draft_for_target,
-    detect_format,
-    identity_mismatch,
-    model_dtype,
-    read_hf_config,
-    target_fingerprint,
-)
+from draftadapt.drafts.formats import check_draft_for_target, detect_format, read_hf_config
 from draftadapt.drafts.methods import METHODS, DraftMethod, check_serves, method_for
-from draftadapt.fileio import atomic_path
-from draftadapt.tensors import all_finite, load_safetensors
+from draftadapt.publish import EngineSwaps, Publisher
 from draftadapt.train.trainer import DraftTrainer, TrainConfig, score_draft
 
 log = logging.getLogger("draftadapt.adapter")
-# beside the published versions: the trainer state of the newest one (optimizer moments, step)
-RESUME_FILE = ".trainer/resume.pt"
 
 
 @dataclass
@@ -170,13 +158,6 @@ def _as_token_seqs(rollouts: Iterable[Any]) -> list[TokenSeq]:
     return out
 
 
-def _load_policy(path_or_dir: str | Path):
-    from transformers import AutoModelForCausalLM
-
-    # the model's own dtype (a bf16 policy stays bf16; captured states are widened for training)
-    return AutoModelForCausalLM.from_pretrained(str(path_or_dir), dtype="auto")
-
-
 def _load_draft(draft_dir: Path, target_dir: Path, method: DraftMethod):
     fmt = detect_format(read_hf_config(draft_dir))
     check_serves(method, draft_dir, fmt, "set adapter.method={method}", error=ConfigError)
@@ -230,8 +211,30 @@ class DriftTrigger:
             self.reference = None if self.measured is not None else candidate
 
 
+class ValidationGate:
+    """Scores drafts on held-out rollouts of the newest policy; a candidate passes unless its
+    simulated acceptance length is below the live draft's by more than the margin."""
+
+    def __init__(self, cfg: ValidateConfig, k: int):
+        self.cfg = cfg
+        self.k = k
+
+    def score(self, draft, batches: list[CapturedBatch]) -> float:
+        """Simulated acceptance length (vLLM's greedy drafting, k tokens) of a bare draft."""
+        visited, _ = score_draft(draft, batches, self.k)
+        return visited.length
+
+    def passes(self, candidate: float, live: float) -> bool:
+        return candidate >= live * (1 - self.cfg.margin)
+
+
 class DraftAdapter:
-    """Observe rollouts, train the draft against the policy, validate, publish, swap."""
+    """Observe rollouts, train the draft against the policy, validate, publish, swap.
+
+    The facade over its parts, each in its own place: the policy copy and the targets it gives
+    (``capture/policy.py``), the replay buffer, the trainer, the drift trigger and the validation
+    gate (above), the publisher and the engine swaps (``publish.py``). The round itself
+    (:meth:`step`) reads top to bottom here."""
 
     def __init__(self, policy_dir: str | Path, draft_dir: str | Path, out_dir: str | Path,
                  cfg: AdapterConfig | None = None, logger=None, policy_version: int = 0):
@@ -245,29 +248,22 @@ class DraftAdapter:
         with torch.random.fork_rng(devices=[]):
             # a draft built for another target is refused here, never relabelled by a publish
             check_draft_for_target(draft_dir, self.policy_dir)
-            self.policy = _load_policy(self.policy_dir)
-            draft, self.format = _load_draft(Path(draft_dir), self.policy_dir, self.method)
-        self.policy.eval()
-        self.policy_version = policy_version
-        pc = self.policy.config.get_text_config()
-        self.vocab_size = int(pc.vocab_size)
-        self.max_positions = int(getattr(pc, "max_position_embeddings", 0) or 0)
-        pad = self.policy.config.pad_token_id
-        self.pad_id = 0 if pad is None else int(pad)
+            model = PolicyCopy.load_model(self.policy_dir)
+            draft, fmt = _load_draft(Path(draft_dir), self.policy_dir, self.method)
+        self._policy = PolicyCopy(model, self.policy_dir, policy_version)
         self.trainer = DraftTrainer(draft, self.method, self.cfg.train, pad_id=self.pad_id)
         self.capture = self.method.target_capture(self.policy, draft, self.cfg.temperature)
-        self.aux_width = len(self.capture.aux_layer_ids) * int(pc.hidden_size)  # of handed-over aux states
+        self.targets = Targets(self._policy, self.capture, self.cfg.targets)
         self.replay = ReplayBuffer(
             self.cfg.replay_max_tokens, self.cfg.replay_max_bytes, self.cfg.recency_decay,
             holdout_fraction=self.cfg.validate_cfg.heldout_fraction, max_heldout=self.cfg.validate_cfg.max_heldout,
         )
         self.store = DraftStore(out_dir)
-        self._publish_dtype = model_dtype(self.policy_dir)  # published drafts follow the target's dtype
-        self._resume_path = Path(out_dir) / RESUME_FILE
+        self.publisher = Publisher(self.store, self.trainer, self.method, fmt, self.policy_dir, self.cfg.k)
         self.rng = random.Random(self.cfg.train.seed)
         self.trigger = DriftTrigger(self.cfg.schedule)
-        # engine -> (checksum read back after our swap, the draft dir it came from)
-        self._swapped_in: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.gate = ValidationGate(self.cfg.validate_cfg, self.cfg.k)
+        self.engines = EngineSwaps(self.store)
         self._round: Future | None = None  # a round started by start_step, not yet finished
         self._round_pool: ThreadPoolExecutor | None = None
         latest = self.store.latest()
@@ -276,55 +272,38 @@ class DraftAdapter:
         self.resumed_from = "start"
         if latest is None:
             # the starting draft is version 0 of this run: what the engine serves before any swap
-            self._live = self._publish_module(self.trainer.export_draft(), policy_version)[1]
+            self.publisher.write(self.trainer.export_draft(), policy_version)
         else:
-            self._live = self._resume(latest)
+            self.resumed_from = self.publisher.resume(
+                latest, lambda path: _load_draft(path, self.policy_dir, self.method)[0])
 
-    # ------------------------------------------------------------------ restart
+    # ------------------------------------------------------------------ the policy copy
 
-    def _resume(self, latest) -> Any:
-        """After a restart over an existing output dir: train on from its newest published draft,
-        with the trainer state saved beside it when that state belongs to that version."""
-        differ = identity_mismatch(latest.meta.get("target") or {}, target_fingerprint(self.policy_dir))
-        if differ:
-            raise DraftFormatError(
-                f"{self.store.out_dir} holds drafts built for another target ({', '.join(differ)} differ from "
-                f"{self.policy_dir}); give this run its own output directory"
-            )
-        with torch.random.fork_rng(devices=[]):
-            live = _load_draft(latest.path, self.policy_dir, self.method)[0].eval()
-        self.trainer.reset_to(live)
-        self.resumed_from = "published"
-        try:
-            state = torch.load(self._resume_path, weights_only=True)
-        except FileNotFoundError:
-            state = None
-        except Exception as exc:  # noqa: BLE001 - a damaged state file costs the moments, not the run
-            log.warning("adapter: %s is unreadable (%s); resuming version %d with a fresh optimizer",
-                        self._resume_path, exc, latest.version)
-            state = None
-        if state is not None and state.get("draft_version") == latest.version:
-            self.trainer.load_resume_state(state)
-            if "weights" in state:  # the float32 weights a narrower published copy was rounded from
-                with torch.no_grad():
-                    self.trainer.draft.load_state_dict(state["weights"])
-            self.resumed_from = "checkpoint"
-        log.info("adapter: resumed from version %d (%s)", latest.version, self.resumed_from)
-        return live
+    @property
+    def policy(self):
+        """The adapter's HF copy of the policy."""
+        return self._policy.model
 
-    def _save_resume(self, version: int) -> None:
-        state = {"draft_version": version, **self.trainer.resume_state()}
-        if self._publish_dtype != "float32":  # the published copy is rounded: keep what training holds
-            state["weights"] = self.trainer.draft.state_dict()  # torch.save writes them out as they are now
-        with atomic_path(self._resume_path) as tmp:
-            torch.save(state, tmp)
+    @property
+    def policy_version(self) -> int:
+        return self._policy.version
+
+    @property
+    def pad_id(self) -> int:
+        return self._policy.pad_id
+
+    def update_policy(self, weights_or_path: str | Path | dict[str, torch.Tensor], version: int) -> None:
+        """Load the policy's new weights into the adapter's own HF copy (a dir, a file or a state
+        dict); refused with ValueError, the copy unchanged, unless they fit it and are finite."""
+        self._wait_round()
+        self._policy.update(weights_or_path, version)
 
     # ------------------------------------------------------------------ inputs
 
     def handover(self, policy) -> HandOver:
         """A :class:`HandOver` for the RL trainer's own forward over its rollouts (forward hooks on
         ``policy``'s aux layers; see its docstring): pass it to :meth:`observe` afterwards."""
-        return HandOver(policy, self.capture.aux_layer_ids, self.capture.draft_to_target, self.cfg.temperature)
+        return self.targets.handover(policy)
 
     def observe(self, rollouts: Iterable[Any], policy_version: int, handover: HandOver | None = None,
                 hidden_states: Sequence[torch.Tensor] | None = None, source: str | None = None) -> int:
@@ -353,7 +332,7 @@ class DraftAdapter:
         # every rollout is checked before any enters the buffer: a bad one would fail every
         # later round (docs/design.md, "Checks at the door")
         for i, (s, extra) in enumerate(zip(seqs, given)):
-            self._check_rollout(i, s, extra)
+            self._policy.check_rollout(i, s, extra, self.capture.aux_layer_ids)
         if hidden_states is not None and handover is None:
             given = [{"aux_hidden": g["aux_hidden"].detach().to(torch.bfloat16).cpu()} for g in given]
         added = 0
@@ -366,71 +345,9 @@ class DraftAdapter:
         self.trigger.observed()
         return added
 
-    def _check_rollout(self, i: int, s: TokenSeq, extra: dict[str, torch.Tensor] | None) -> None:
-        ids = torch.as_tensor(s.prompt_ids + s.response_ids)
-        if ids.numel() and (ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool):
-            raise ValueError(f"observe: rollout {i} has token ids of dtype {ids.dtype}; pass integer ids")
-        bad = ids[(ids < 0) | (ids >= self.vocab_size)]
-        if bad.numel():
-            raise ValueError(f"observe: rollout {i} has token ids {bad[:4].tolist()} outside the policy's vocabulary "
-                             f"(0..{self.vocab_size - 1}); pass the ids the engine returned")
-        if self.max_positions and len(ids) > self.max_positions:
-            raise ValueError(f"observe: rollout {i} has {len(ids)} tokens, over the policy's max_position_embeddings "
-                             f"{self.max_positions}; truncate it or drop it")
-        width = self.aux_width
-        for name, t in (extra or {}).items():
-            if t.dim() != 2 or t.shape[0] != len(ids):
-                raise ValueError(f"observe: {name} of rollout {i} has shape {tuple(t.shape)}; it needs one row per "
-                                 f"token of prompt + response ({len(ids)})")
-            if name == "aux_hidden" and t.shape[1] != width:
-                raise ValueError(f"observe: aux_hidden of rollout {i} is {t.shape[1]} wide; this draft reads "
-                                 f"aux layers {self.capture.aux_layer_ids} of the policy, {width} wide together")
-            # log-probs may be -inf
-            finite = all_finite(t) if name == "aux_hidden" else not bool(torch.isnan(t).any())
-            if not finite:
-                raise ValueError(f"observe: {name} of rollout {i} holds NaN or Inf; not added")
-
     def forget(self, source: str) -> int:
         """Drop the rollouts observed with ``source`` (e.g. a shard that made a round fail)."""
         return self.replay.remove(lambda it: it.source is not None and it.source.rsplit("#", 1)[0] == source)
-
-    def update_policy(self, weights_or_path: str | Path | dict[str, torch.Tensor], version: int) -> None:
-        """Load the policy's new weights into the adapter's own HF copy (a dir, a file or a state dict)."""
-        self._wait_round()
-        if version < self.policy_version:
-            raise ValueError(f"policy version {version} is older than the adapter's {self.policy_version}")
-        if isinstance(weights_or_path, dict):
-            sd = weights_or_path
-        else:
-            p = Path(weights_or_path)
-            files = sorted(p.glob("*.safetensors")) if p.is_dir() else [p]
-            if not files:
-                raise FileNotFoundError(f"no *.safetensors policy weights in {p}")
-            sd = load_safetensors(files)
-        self._check_policy_weights(sd)
-        self.policy.load_state_dict(sd, strict=False)
-        self.policy_version = version
-
-    def _check_policy_weights(self, sd: dict[str, torch.Tensor]) -> None:
-        """Names, shapes, dtypes and finiteness, all before anything is loaded: a refused update
-        leaves the adapter's policy as it was."""
-        ref = self.policy.state_dict()
-        missing = [k for k in ref if k not in sd and "rotary" not in k]
-        unexpected = [k for k in sd if k not in ref]
-        wrong = [f"{k} {tuple(v.shape)} (needs {tuple(ref[k].shape)})" for k, v in sd.items()
-                 if k in ref and tuple(v.shape) != tuple(ref[k].shape)]
-        if missing or unexpected or wrong:
-            raise ValueError(
-                f"policy weights do not fit the adapter's copy of {self.policy_dir}: missing {missing[:4]}, "
-                f"unexpected {unexpected[:4]}, wrong shape {wrong[:4]}; pass the HF state dict of the same architecture"
-            )
-        not_float = [k for k, v in sd.items() if ref[k].is_floating_point() and not v.is_floating_point()]
-        if not_float:
-            raise ValueError(f"policy weights {not_float[:4]} are not floating point; pass the model's own tensors")
-        bad = [k for k, v in sd.items() if not all_finite(v)]
-        if bad:
-            raise ValueError(f"policy weights {bad[:4]} hold NaN or Inf; not loaded, the adapter keeps version "
-                             f"{self.policy_version}")
 
     def report_measured(self, acceptance_length: float) -> None:
         """The acceptance length the engine measured for the live draft (feeds the drift trigger).
@@ -438,38 +355,83 @@ class DraftAdapter:
         The first measurement after a publish is the reference a later drop is measured against."""
         self.trigger.report(acceptance_length)
 
-    # ------------------------------------------------------------------ capture
+    # ------------------------------------------------------------------ the round
 
-    def _handed_over(self, it: ReplayItem) -> bool:
-        return self.cfg.targets == "sampling" and "target_logp" in it.tensors
+    def step(self, force: bool = False) -> dict[str, float]:
+        """Train if the schedule says so, validate, and publish a better draft. Returns metrics."""
+        self._wait_round()
+        return self._step(force)
 
-    def _captured(self, items: list[ReplayItem]) -> CapturedBatch:
-        """One training or scoring batch: the handed-over targets as they are, or captured against
-        the adapter's current policy copy (aux states handed over without log-probs replace the
-        recomputed ones where that same policy version produced them)."""
-        batch = collate([it.sequence() for it in items], self.pad_id)
-        if all(self._handed_over(it) for it in items):
-            return CapturedBatch(batch["input_ids"], batch["attention_mask"], batch["loss_mask"],
-                                 _pad_rows([it.tensors["target_logp"] for it in items], batch["input_ids"].shape[1]),
-                                 _pad_rows([it.tensors.get("aux_hidden") for it in items], batch["input_ids"].shape[1]))
-        captured = self.capture.capture(batch)
-        if captured.aux is not None:
-            for r, it in enumerate(items):
-                h = it.tensors.get("aux_hidden")
-                if h is not None and it.policy_version == self.policy_version:
-                    captured.aux[r, : h.shape[0]] = h.to(captured.aux.dtype)
-        return captured
-
-    def _batches(self, items: list[ReplayItem], size: int) -> list[CapturedBatch]:
-        return [self._captured(items[i: i + size]) for i in range(0, len(items), size)]
-
-    def score(self, draft, batches: list[CapturedBatch]) -> float:
-        """Simulated acceptance length (vLLM's greedy drafting, k tokens) of a bare draft (an
-        Eagle3Head or HF draft LM) on captured batches."""
-        visited, _ = score_draft(draft, batches, self.cfg.k)
-        return visited.length
-
-    # ------------------------------------------------------------------ the loop
+    def _step(self, force: bool) -> dict[str, float]:
+        due, why = self.trigger.due(len(self.replay), lambda: self.score(self.live_draft(), self.targets.batches(
+            self.replay.heldout(), self.cfg.train.batch_size)))
+        metrics: dict[str, float] = {"adapt/trained": 0.0, "adapt/published": 0.0, "adapt/rejected": 0.0}
+        if not (due or force and len(self.replay) > 0):
+            metrics["adapt/skipped"] = 1.0
+            return metrics
+        t0 = time.perf_counter()
+        heldout, train = self.replay.split_recent()
+        # The buffer holds out whole prompts of the newest version (GRPO groups sample a prompt
+        # several times), but the max_heldout cap can cut a group and an older version may hold
+        # the same prompt; a held-out rollout whose prompt is trained on would flatter the
+        # candidate, so those rollouts sit this round out.
+        held_prompts = {it.prompt_key for it in heldout}
+        train = [it for it in train if it.prompt_key not in held_prompts]
+        if not heldout or not train:
+            metrics["adapt/skipped"] = 1.0
+            return metrics
+        # Both drafts are scored on the same held-out rollouts, captured once: a score remembered
+        # from an older policy is not comparable (when the policy moves fast every score falls,
+        # and a stale live score would reject every candidate).
+        held = self.targets.batches(heldout, self.cfg.train.batch_size)
+        live = self.score(self.live_draft(), held)
+        self.refresh_shared_embeddings()
+        sched = self.cfg.schedule
+        budget = max(sched.max_train_steps, sched.train_steps)
+        done, before = 0, live
+        while True:
+            train_metrics = self._train_block(train, sched.train_steps)
+            done += sched.train_steps
+            candidate = self._score_candidate(held)
+            # another block only while the last one still paid off (the draft is behind the policy)
+            if done + sched.train_steps > budget or candidate < before * (1 + sched.catchup_gain):
+                break
+            before = candidate
+        metrics.update({k: v for k, v in train_metrics.items() if k.startswith("train/")})
+        if not math.isfinite(train_metrics.get("train/loss", 0.0)) or not self.trainer.weights_finite():
+            # a non-finite round would poison every later one: back to the live draft, fresh moments
+            self.trainer.reset_to(self.live_draft())
+            log.warning("adapter: the round's loss or weights went non-finite; the trainer is back at the live draft")
+            metrics.update({"adapt/trained": 1.0, "adapt/rolled_back": 1.0, "adapt/rejected": 1.0,
+                            "train/loss": float("nan")})
+            self.trigger.trained(False, live)
+            metrics["stage/adapt_s"] = time.perf_counter() - t0
+            self._log({k: v for k, v in metrics.items() if math.isfinite(v)})
+            return metrics
+        metrics.update({
+            "adapt/train_steps": float(done),
+            "adapt/trained": 1.0,
+            "adapt/trigger_drift": float(why == "drift"),
+            "accept/simulated_length": candidate,
+            "accept/simulated_live": live,
+            "adapt/heldout_seqs": float(len(heldout)),
+        })
+        published = self.gate.passes(candidate, live)
+        if published:
+            # tagged with the newest policy its targets came from: the sampling policy of the
+            # newest rollouts when they were handed over, else the adapter's current copy
+            target_version = self.policy_version
+            if all(self.targets.handed_over(it) for it in train + heldout):
+                target_version = max(it.policy_version for it in train + heldout)
+            version = self.publisher.publish(target_version)
+            metrics["adapt/published"] = 1.0
+            metrics["draft/published_version"] = float(version)
+        else:
+            metrics["adapt/rejected"] = 1.0
+        self.trigger.trained(published, candidate)
+        metrics["stage/adapt_s"] = time.perf_counter() - t0
+        self._log(metrics)
+        return metrics
 
     def _train_block(self, train: list[ReplayItem], n: int) -> dict[str, float]:
         """``n`` optimizer steps on batches drawn from ``train`` (recent versions weighted up)."""
@@ -477,7 +439,7 @@ class DraftAdapter:
         picks = [self.replay.sample(n_seqs=bs, rng=self.rng, items=train) for _ in range(n)]
         if self.cfg.group_by_length:
             picks = group_by_length(picks, self.rng)
-        return self.trainer.train_steps((self._captured(p) for p in picks), n=n)
+        return self.trainer.train_steps((self.targets.batch(p) for p in picks), n=n)
 
     def _score_candidate(self, held: list[CapturedBatch]) -> float:
         """The trainer's draft as it stands, scored in place (no export copy)."""
@@ -487,6 +449,36 @@ class DraftAdapter:
             return self.score(self.trainer.draft, held)
         finally:
             model.train()
+
+    def score(self, draft, batches: list[CapturedBatch]) -> float:
+        """Simulated acceptance length (vLLM's greedy drafting, k tokens) of a bare draft (an
+        Eagle3Head or HF draft LM) on captured batches."""
+        return self.gate.score(draft, batches)
+
+    def refresh_shared_embeddings(self, head=None) -> None:
+        """A draft that shares the target's modules sees the policy's current ones (as in vLLM)."""
+        self.method.refresh_shared(self.trainer.draft if head is None else head, self.policy)
+
+    def live_draft(self):
+        """The newest published draft as the engine serves it (shared modules from the current
+        policy). Kept in memory from its publish; callers must not modify it."""
+        self.refresh_shared_embeddings(self.publisher.live)
+        return self.publisher.live
+
+    def publish(self, policy_version: int | None = None) -> int:
+        """Write the trainer's current draft as a new version (atomic), tagged with the policy
+        version it was trained against (default: the adapter's current one)."""
+        self._wait_round()
+        return self.publisher.publish(self.policy_version if policy_version is None else policy_version)
+
+    @property
+    def live_version(self) -> int | None:
+        latest = self.store.latest()
+        return None if latest is None else latest.version
+
+    def _log(self, metrics: dict[str, float]) -> None:
+        if self.logger is not None:
+            self.logger.log_dict(metrics, step=self.policy_version)
 
     # ------------------------------------------------------------------ background rounds
 
@@ -521,115 +513,6 @@ class DraftAdapter:
                 self._round_pool.shutdown(wait=True)
                 self._round_pool = None
 
-    def step(self, force: bool = False) -> dict[str, float]:
-        """Train if the schedule says so, validate, and publish a better draft. Returns metrics."""
-        self._wait_round()
-        return self._step(force)
-
-    def _step(self, force: bool) -> dict[str, float]:
-        due, why = self.trigger.due(len(self.replay), lambda: self.score(self.live_draft(), self._batches(
-            self.replay.heldout(), self.cfg.train.batch_size)))
-        metrics: dict[str, float] = {"adapt/trained": 0.0, "adapt/published": 0.0, "adapt/rejected": 0.0}
-        if not (due or force and len(self.replay) > 0):
-            metrics["adapt/skipped"] = 1.0
-            return metrics
-        t0 = time.perf_counter()
-        heldout, train = self.replay.split_recent()
-        # The buffer holds out whole prompts of the newest version (GRPO groups sample a prompt
-        # several times), but the max_heldout cap can cut a group and an older version may hold
-        # the same prompt; a held-out rollout whose prompt is trained on would flatter the
-        # candidate, so those rollouts sit this round out.
-        held_prompts = {it.prompt_key for it in heldout}
-        train = [it for it in train if it.prompt_key not in held_prompts]
-        if not heldout or not train:
-            metrics["adapt/skipped"] = 1.0
-            return metrics
-        # Both drafts are scored on the same held-out rollouts, captured once: a score remembered
-        # from an older policy is not comparable (when the policy moves fast every score falls,
-        # and a stale live score would reject every candidate).
-        held = self._batches(heldout, self.cfg.train.batch_size)
-        live = self.score(self.live_draft(), held)
-        self.refresh_shared_embeddings()
-        sched = self.cfg.schedule
-        budget = max(sched.max_train_steps, sched.train_steps)
-        done, before = 0, live
-        while True:
-            train_metrics = self._train_block(train, sched.train_steps)
-            done += sched.train_steps
-            candidate = self._score_candidate(held)
-            # another block only while the last one still paid off (the draft is behind the policy)
-            if done + sched.train_steps > budget or candidate < before * (1 + sched.catchup_gain):
-                break
-            before = candidate
-        metrics.update({k: v for k, v in train_metrics.items() if k.startswith("train/")})
-        if not math.isfinite(train_metrics.get("train/loss", 0.0)) or not self.trainer.weights_finite():
-            # a non-finite round would poison every later one: back to the live draft, fresh moments
-            self.trainer.reset_to(self.live_draft())
-            log.warning("adapter: the round's loss or weights went non-finite; the trainer is back at the live draft")
-            metrics.update({"adapt/trained": 1.0, "adapt/rolled_back": 1.0, "adapt/rejected": 1.0,
-                            "train/loss": float("nan")})
-            self.trigger.trained(False, live)
-            metrics["stage/adapt_s"] = time.perf_counter() - t0
-            if self.logger is not None:
-                self.logger.log_dict({k: v for k, v in metrics.items() if math.isfinite(v)}, step=self.policy_version)
-            return metrics
-        metrics.update({
-            "adapt/train_steps": float(done),
-            "adapt/trained": 1.0,
-            "adapt/trigger_drift": float(why == "drift"),
-            "accept/simulated_length": candidate,
-            "accept/simulated_live": live,
-            "adapt/heldout_seqs": float(len(heldout)),
-        })
-        published = candidate >= live * (1 - self.cfg.validate_cfg.margin)
-        if published:
-            # tagged with the newest policy its targets came from: the sampling policy of the
-            # newest rollouts when they were handed over, else the adapter's current copy
-            target_version = self.policy_version
-            if all(self._handed_over(it) for it in train + heldout):
-                target_version = max(it.policy_version for it in train + heldout)
-            version = self._publish(target_version)
-            metrics["adapt/published"] = 1.0
-            metrics["draft/published_version"] = float(version)
-        else:
-            metrics["adapt/rejected"] = 1.0
-        self.trigger.trained(published, candidate)
-        metrics["stage/adapt_s"] = time.perf_counter() - t0
-        if self.logger is not None:
-            self.logger.log_dict(metrics, step=self.policy_version)
-        return metrics
-
-    def refresh_shared_embeddings(self, head=None) -> None:
-        """A head that shares the target's embed_tokens sees the policy's current ones (as in vLLM)."""
-        self.method.refresh_shared(self.trainer.draft if head is None else head, self.policy)
-
-    def live_draft(self):
-        """The newest published draft as the engine serves it (shared modules from the current
-        policy). Kept in memory from its publish; callers must not modify it."""
-        self.refresh_shared_embeddings(self._live)
-        return self._live
-
-    def _publish_module(self, module, policy_version: int) -> tuple[int, Any]:
-        """Write ``module`` as the next version; returns (version, module in eval mode), now the live draft."""
-        def write(tmp: Path, version: int) -> None:
-            self.method.export(module, tmp, self.policy_dir, fmt=self.format, num_speculative_tokens=self.cfg.k,
-                               meta={"policy_version": int(policy_version), "version": version})
-
-        version, _ = self.store.publish(write, policy_version=int(policy_version))
-        return version, module.eval()
-
-    def publish(self, policy_version: int | None = None) -> int:
-        """Write the trainer's current draft as a new version (atomic), tagged with the policy
-        version it was trained against (default: the adapter's current one)."""
-        self._wait_round()
-        return self._publish(policy_version)
-
-    def _publish(self, policy_version: int | None) -> int:
-        pv = self.policy_version if policy_version is None else policy_version
-        version, self._live = self._publish_module(self.trainer.export_draft(), pv)
-        self._save_resume(version)
-        return version
-
     # ------------------------------------------------------------------ engine side
 
     def swap(self, engine) -> Any:
@@ -637,12 +520,9 @@ class DraftAdapter:
         (:meth:`DraftStore.swap_newest_into`: never one trained on a newer policy than the engine
         serves, never an older version than it served). Returns the SwapResult or None."""
         self._wait_round()
-        res = self.store.swap_newest_into(engine)
-        if res is None:
-            return None
-        self._swapped_in[engine] = (res.checksum, engine.draft_dir)
-        if self.logger is not None:
-            self.logger.log_dict({"swap/ms": res.ms, "draft/version": float(res.version)}, step=self.policy_version)
+        res = self.engines.swap(engine)
+        if res is not None:
+            self._log({"swap/ms": res.ms, "draft/version": float(res.version)})
         return res
 
     def check_integrity(self, engine) -> bool:
@@ -652,28 +532,7 @@ class DraftAdapter:
         "Failures other systems shipped"). Returns True when the draft was intact.
         """
         self._wait_round()
-        # what this adapter put in (the engine's own record may be what went wrong)
-        expected, path = self._swapped_in.get(engine, (engine.live_checksum, engine.draft_dir))
-        state = engine.draft_state()
-        if expected is None or state["checksum"] == expected:
-            return True
-        res = engine.swap_draft(path)
-        self._swapped_in[engine] = (res.checksum, path)
-        if self.logger is not None:
-            self.logger.log_dict({"draft/integrity_repairs": 1.0}, step=self.policy_version)
-        return False
-
-    @property
-    def live_version(self) -> int | None:
-        latest = self.store.latest()
-        return None if latest is None else latest.version
-
-
-def _pad_rows(rows: list[torch.Tensor | None], width: int) -> torch.Tensor | None:
-    """Per-sequence [n_i, D] tensors -> [B, width, D] float32, zero past each row's end."""
-    if rows[0] is None:
-        return None
-    out = torch.zeros((len(rows), width, rows[0].shape[-1]), dtype=torch.float32)
-    for r, t in enumerate(rows):
-        out[r, : t.shape[0]] = t
-    return out
+        intact = self.engines.intact(engine)
+        if not intact:
+            self._log({"draft/integrity_repairs": 1.0})
+        return intact
