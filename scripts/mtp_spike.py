@@ -6,10 +6,12 @@ builds a tiny MiMo-style target (a Qwen2 body + ``--mtp`` MTP layers, the toy ch
 trains body and MTP layers jointly on toy problems for ``--steps`` steps, then serves it with
 vLLM on CPU twice, one engine per child process: without speculation and with
 ``speculative_config={"method": "mtp", "num_speculative_tokens": k}``. It prints the greedy token
-ids' agreement and the spec-decode counters, e.g.
+ids' agreement and the spec-decode counters; then it serves the same target with fresh MTP
+layers and hot-swaps the trained ones in (``--swap``), and checks layer 0 offline in HF. Seen:
 
-    [spike] greedy identical: 16/16 prompts
-    [spike] mtp k=1: drafts 812 draft_tokens 812 accepted 640 -> acceptance length 1.79
+    [spike] mtp_k1: greedy identical 16/16 prompts; drafts 373 draft_tokens 373 accepted 373 per_pos [373] -> acceptance length 2.00
+    [spike] mtp_k3: greedy identical 16/16 prompts; ... per_pos [234, 161, 117] -> acceptance length 3.19
+    [spike] swap/after: greedy identical 16/16 prompts; drafts 373 ... -> acceptance length 2.00
 
 Findings: docs/mtp-spike.md. Subcommands ``build`` and ``serve`` run one part each.
 
