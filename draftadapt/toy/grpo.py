@@ -1,6 +1,7 @@
-"""The toy GRPO run that plays "an existing RL run", with draftadapt attached through its public API.
+"""The toy world's RL run: GRPO on the toy task playing "an existing RL run", with draftadapt
+attached through its public API (what ``draftadapt demo`` runs; toy/build.py builds the world).
 
-    draftadapt demo --out runs/demo            # or: .venv/bin/python recipes/toy_grpo.py --out runs/demo
+    draftadapt demo --out runs/demo [--steps N] [--seed N] [--toy DIR] [key=value ...]
 
 Builds (or reuses) the toy target and a pretrained Eagle-3 draft, then runs GRPO on the toy task:
 vLLM rollouts with speculation, rewards from the task verifier, policy-gradient updates on an HF
@@ -13,7 +14,6 @@ OUT/tb/ (TensorBoard).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
 import gc
@@ -32,32 +32,28 @@ from draftadapt.config import ConfigError, load_config, save_config
 from draftadapt.data.sequences import Sequence, collate
 from draftadapt.engine.rollout import DraftSwapError, RolloutEngine
 from draftadapt.metrics.logger import make_logger
-from draftadapt.toy import task
-
-RECIPE = Path(__file__).with_suffix(".yaml")
+from draftadapt.toy import PRETRAIN_RECIPE, task
 
 
 @dataclass
 class GRPOConfig:
-    # RL steps: the style reaches ~95% by step 12 (seed 0), and the last third (6 steps) is the
-    # drifted regime: a frozen draft stays low there, an adapted one has had time to catch up
+    # RL steps: the last third runs on the drifted policy, where a frozen draft stays low and an
+    # adapted one has had time to catch up (docs/design.md, "The demo's RL settings")
     steps: int = 18
-    # 64 problems x 4 samples a step: with 16 x 4 the gradient was noisy enough that Adam at any
-    # rate that moved the style also wrecked the arithmetic (accuracy 0.4 -> 0.05 in 10 steps).
-    prompts_per_step: int = 64  # distinct problems per step
+    # distinct problems per step; fewer made the gradient too noisy to move the style without
+    # wrecking the arithmetic
+    prompts_per_step: int = 64
     group_size: int = 4  # samples per problem (GRPO group)
     max_tokens: int = 96  # response budget
     temperature: float = 1.0
-    # Policy learning rate, reached after warmup_steps. 1e-3 moved the style sooner (seed 0: verbose
-    # 78% instead of 49% at step 9) but on seed 1 it wrecked the arithmetic (accuracy 0.41 -> 0.08)
-    # and the adapted draft fell behind (last third 1.15x frozen instead of 1.21x at 7e-4).
+    # policy learning rate, reached after warmup_steps: the highest that kept the arithmetic on
+    # every seed tried
     lr: float = 7e-4
     warmup_steps: int = 3  # linear warmup: Adam's first, sign-like step at full rate cost half the accuracy
     kl_coef: float = 0.1  # KL(policy || initial policy) per token (k3 estimator), as in GRPO
-    # Reward = correct final answer + style_bonus if the completion uses `style`. The toy target
-    # writes both styles equally well but picks verbose ~3% of the time (toy build's SFT stage), so
-    # its pretrained draft has seen little verbose text; the bonus moves the policy there within
-    # the run (seed 0: verbose 4% -> 49% by step 9, 98% by step 14).
+    # Reward = correct final answer + style_bonus if the completion uses `style`: the toy target
+    # rarely writes verbose (toy build's SFT stage), so the bonus drifts the policy away from what
+    # its pretrained draft has seen.
     style: str = "verbose"
     style_bonus: float = 1.0
     micro_batch: int = 32  # sequences per forward/backward in the update (gradients accumulate)
@@ -81,11 +77,12 @@ class DemoConfig:
     seed: int = 0
     k: int = 3
     engine_threads: int = 2
-    pretrain_recipe: str = "recipes/pretrain_eagle3_toy.yaml"
-    # Prompts the initial and the fresh reference drafts are pretrained on (both the same; 0 = the
-    # recipe's data.num_prompts, 1536). 768 of the target's own samples hold ~25 answers in the
-    # verbose style RL moves the policy to: the draft serves the starting policy (3.2 on the eval
-    # prompts) and falls to ~2.3 as RL drifts (docs/design.md, "The toy world's proportions").
+    # how the initial and the fresh reference drafts are pretrained (package data: the demo runs
+    # from any directory)
+    pretrain_recipe: str = str(PRETRAIN_RECIPE)
+    # Prompts those drafts are pretrained on (0 = the recipe's data.num_prompts): few enough that
+    # the draft has seen little of the style RL drifts to (docs/design.md, "The toy world's
+    # proportions").
     pretrain_prompts: int = 768
     # At the end, pretrain a fresh draft from scratch on the final policy (same recipe) and measure
     # it on the same prompts: the reference the adapted draft is held to (issue 4's 95% bar).
@@ -539,25 +536,13 @@ def plot(history: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--steps", type=int, default=None)
-    ap.add_argument("--seed", type=int, default=None)
-    ap.add_argument("--toy", default=None)
-    ap.add_argument("overrides", nargs="*")
-    args = ap.parse_args(argv)
-    overrides = list(args.overrides)
-    for key, val in (("out", args.out), ("grpo.steps", args.steps), ("seed", args.seed), ("toy", args.toy)):
-        if val is not None:
-            overrides.append(f"{key}={val}")
-    try:
-        cfg = load_config(DemoConfig, RECIPE if RECIPE.is_file() else None, overrides)
-        if cfg.baseline:
-            load_baseline(cfg.baseline)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+def demo_cli(overrides: list[str]) -> int:
+    """``draftadapt demo``: ``overrides`` are DemoConfig's ``key=value`` (the command's flags
+    arrive as their fields: --steps as grpo.steps). A bad key or baseline= raises ConfigError
+    before anything starts."""
+    cfg = load_config(DemoConfig, None, overrides)
+    if cfg.baseline:
+        load_baseline(cfg.baseline)
     # SIGTERM (a scheduler's kill, `kill PID`) unwinds like Ctrl-C, so run()'s finally closes the
     # vLLM engines: otherwise their EngineCore/Worker processes outlive us and keep polling a core.
     import threading
@@ -579,6 +564,3 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(line))
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())
