@@ -112,7 +112,7 @@ class DemoConfig:
     adapter: AdapterConfig = field(default_factory=lambda: AdapterConfig(
         recency_decay=0.25,  # the newest rollouts weigh most: the policy moves fast here
         schedule=ScheduleConfig(every_n_steps=2, drift_fraction=0.0, train_steps=8),
-        validate_cfg=ValidateConfig(max_heldout=32),
+        validation=ValidateConfig(max_heldout=32),
         train=replace(AdapterConfig().train, lr=2e-3, batch_size=16, ttt_slots=0.25)))
 
 

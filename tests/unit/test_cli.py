@@ -36,6 +36,8 @@ def test_eval_flags_are_evaluateconfig_fields():
 
 @pytest.mark.parametrize("argv,message", [
     (["demo", "--out", "/nonexistent/x", "nope=1"], "unknown key(s) ['nope'] for DemoConfig"),
+    (["demo", "--out", "/nonexistent/x", "adapter.validate_cfg.margin=0.1"],
+     "adapter.validate_cfg was renamed to adapter.validation"),
 ])
 def test_demo_refuses_a_bad_key_before_it_starts(argv, message, capsys):
     assert main(argv) == 2
