@@ -19,8 +19,7 @@ class UsageError(Exception):
 # Flags that set a field of the command's config dataclass (flag dest -> dotted field). The
 # dataclass holds the default and the check; a flag left out leaves the field at its default.
 DEMO_FLAGS = {"out": "out", "steps": "grpo.steps", "seed": "seed", "toy": "toy"}
-EVAL_FLAGS = {"target": "target", "draft": "draft", "k": "k", "temperature": "temperature",
-              "num_prompts": "num_prompts", "max_tokens": "max_tokens", "seed": "seed"}
+EVAL_FLAGS = {name: name for name in ("target", "draft", "k", "temperature", "num_prompts", "max_tokens", "seed")}
 
 
 def field_overrides(args: argparse.Namespace, flags: dict[str, str]) -> list[str]:
