@@ -37,7 +37,8 @@ def test_demo_smoke(toy_target, tmp_path):
            "adapter.schedule.every_n_steps=1", "adapter.schedule.train_steps=2", "adapter.train.batch_size=8",
            "adapter.schedule.min_sequences=8",
            "pretrain_prompts=48", "fresh_max_minutes=0.2", f"spool={tmp_path / 'spool'}", f"baseline={base}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    # from another directory: the demo's pretrain recipe (the fresh reference below) is package data
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     last = json.loads(proc.stdout.strip().splitlines()[-1])
     assert last["steps"] == 3
