@@ -31,7 +31,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, ClassVar, Iterable, Sequence
 
 import torch
 
@@ -88,7 +88,7 @@ class ValidateConfig:
 
     def validate(self) -> None:
         if not 0 <= self.margin < 1 or not 0 < self.heldout_fraction < 1:
-            raise ConfigError(f"validate: margin in [0,1) and heldout_fraction in (0,1); got {self.margin}, {self.heldout_fraction}")
+            raise ConfigError(f"validation: margin in [0,1) and heldout_fraction in (0,1); got {self.margin}, {self.heldout_fraction}")
 
 
 @dataclass
@@ -108,7 +108,9 @@ class AdapterConfig:
     # without a hand-over are always captured against the current policy.
     targets: str = "sampling"
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
-    validate_cfg: ValidateConfig = field(default_factory=ValidateConfig)
+    validation: ValidateConfig = field(default_factory=ValidateConfig)  # the gate before a publish
+    # old key -> new key: a config.yaml saved before a rename fails naming the new key
+    RENAMED: ClassVar[dict[str, str]] = {"validate_cfg": "validation"}
     # Online fine-tuning of an already trained draft: a gentler, constant rate than pretraining.
     # train.batch_size is the sequences per capture / optimizer step and train.seed seeds the
     # replay draws too: one setting each (``k`` is what the engine drafts, for scoring; the
@@ -123,7 +125,7 @@ class AdapterConfig:
         if self.k < 1 or self.temperature <= 0:
             raise ConfigError(f"adapter.k >= 1 and adapter.temperature > 0 (got {self.k}, {self.temperature})")
         self.schedule.validate()  # also when built in code, not only through load_config
-        self.validate_cfg.validate()
+        self.validation.validate()
         self.train.validate()
 
 
@@ -256,13 +258,13 @@ class DraftAdapter:
         self.targets = Targets(self._policy, self.capture, self.cfg.targets)
         self.replay = ReplayBuffer(
             self.cfg.replay_max_tokens, self.cfg.replay_max_bytes, self.cfg.recency_decay,
-            holdout_fraction=self.cfg.validate_cfg.heldout_fraction, max_heldout=self.cfg.validate_cfg.max_heldout,
+            holdout_fraction=self.cfg.validation.heldout_fraction, max_heldout=self.cfg.validation.max_heldout,
         )
         self.store = DraftStore(out_dir)
         self.publisher = Publisher(self.store, self.trainer, self.method, fmt, self.policy_dir, self.cfg.k)
         self.rng = random.Random(self.cfg.train.seed)
         self.trigger = DriftTrigger(self.cfg.schedule)
-        self.gate = ValidationGate(self.cfg.validate_cfg, self.cfg.k)
+        self.gate = ValidationGate(self.cfg.validation, self.cfg.k)
         self.engines = EngineSwaps(self.store)
         self._round: Future | None = None  # a round started by start_step, not yet finished
         self._round_pool: ThreadPoolExecutor | None = None

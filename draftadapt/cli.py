@@ -16,6 +16,17 @@ class UsageError(Exception):
     """A bad argument: printed as one line, exit 2."""
 
 
+# Flags that set a field of the command's config dataclass (flag dest -> dotted field). The
+# dataclass holds the default and the check; a flag left out leaves the field at its default.
+DEMO_FLAGS = {"out": "out", "steps": "grpo.steps", "seed": "seed", "toy": "toy"}
+EVAL_FLAGS = {name: name for name in ("target", "draft", "k", "temperature", "num_prompts", "max_tokens", "seed")}
+
+
+def field_overrides(args: argparse.Namespace, flags: dict[str, str]) -> list[str]:
+    """The flags given on the command line as ``field=value`` overrides."""
+    return [f"{key}={getattr(args, dest)}" for dest, key in flags.items() if getattr(args, dest) is not None]
+
+
 def model_arg(flag: str, value: str) -> str:
     """``value`` must be a model directory (config.json) or a hub id already in the local cache."""
     path = Path(value)
@@ -44,11 +55,12 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="run the main job on the embedded toy world")
-    demo.add_argument("--out", default="runs/demo", help="output directory")
-    demo.add_argument("--steps", type=int, default=None, help="RL steps (default: recipe's)")
-    demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--toy", default=None, help="reuse a toy target built by `toy build`")
-    demo.add_argument("overrides", nargs="*", help="key=value overrides of recipes/toy_grpo.py's DemoConfig")
+    demo.add_argument("--out", help="output directory (DemoConfig.out)")
+    demo.add_argument("--steps", type=int, help="RL steps (DemoConfig.grpo.steps)")
+    demo.add_argument("--seed", type=int, help="DemoConfig.seed")
+    demo.add_argument("--toy", help="reuse a toy target built by `toy build` (DemoConfig.toy)")
+    demo.add_argument("overrides", nargs="*",
+                      help="key=value overrides of draftadapt/toy/grpo.py's DemoConfig (the flags win)")
 
     toy = sub.add_parser("toy", help="the embedded toy RL world")
     toy_sub = toy.add_subparsers(dest="toy_command", required=True)
@@ -76,13 +88,14 @@ def _parser() -> argparse.ArgumentParser:
     pre.add_argument("overrides", nargs="*", help="key=value overrides")
 
     ev = sub.add_parser("eval", help="acceptance (measured in vLLM and simulated) and speed of a draft")
+    # each flag is the field of draftadapt/evaluate.py's EvaluateConfig of the same name
     ev.add_argument("--target", required=True)
     ev.add_argument("--draft", required=True)
-    ev.add_argument("--k", type=int, default=3, help="speculative tokens per step")
-    ev.add_argument("--temperature", type=float, default=1.0)
-    ev.add_argument("--num-prompts", type=int, default=64)
-    ev.add_argument("--max-tokens", type=int, default=96)
-    ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--k", type=int, help="speculative tokens per step")
+    ev.add_argument("--temperature", type=float)
+    ev.add_argument("--num-prompts", type=int)
+    ev.add_argument("--max-tokens", type=int)
+    ev.add_argument("--seed", type=int)
     ev.add_argument("--json", action="store_true", help="print only the JSON object")
 
     car = sub.add_parser("sidecar", help="train drafts from a spool directory beside an RL run")
@@ -138,11 +151,7 @@ def _dispatch(args) -> int:
     if args.command == "eval":
         from draftadapt.evaluate import eval_cli
 
-        return eval_cli(
-            target=args.target, draft=args.draft, k=args.k, temperature=args.temperature,
-            num_prompts=args.num_prompts, max_tokens=args.max_tokens, seed=args.seed,
-            json_only=args.json,
-        )
+        return eval_cli(field_overrides(args, EVAL_FLAGS), json_only=args.json)
     if args.command == "sidecar":
         from draftadapt.sidecar import sidecar_cli
 
@@ -152,9 +161,9 @@ def _dispatch(args) -> int:
 
         return simulate(args.recipe, args.overrides, json_out=args.json, plot=args.plot)
     if args.command == "demo":
-        from draftadapt.demo import demo_cli
+        from draftadapt.toy.grpo import demo_cli
 
-        return demo_cli(out=args.out, steps=args.steps, seed=args.seed, toy=args.toy, overrides=args.overrides)
+        return demo_cli([*args.overrides, *field_overrides(args, DEMO_FLAGS)])
     raise AssertionError(args.command)
 
 

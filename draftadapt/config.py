@@ -97,9 +97,15 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
 def _build(cls: type[T], data: dict[str, Any], where: str) -> T:
     types_ = _field_types(cls)
     unknown = sorted(set(data) - set(types_))
+    prefix = f"{where}." if where else ""
+    for key in unknown:
+        new = getattr(cls, "RENAMED", {}).get(key)  # a class's {old key: new key}
+        if new is not None:
+            raise ConfigError(f"{prefix}{key} was renamed to {prefix}{new}; write {prefix}{new} instead "
+                              "(in the YAML or the key=value override)")
     if unknown:
         raise ConfigError(
-            f"{where}: unknown key(s) {unknown} for {cls.__name__}; known keys: {sorted(types_)}"
+            f"{where or cls.__name__}: unknown key(s) {unknown} for {cls.__name__}; known keys: {sorted(types_)}"
         )
     kwargs = {}
     for k, v in data.items():

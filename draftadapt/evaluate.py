@@ -19,15 +19,37 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from draftadapt.config import ConfigError, load_config
 from draftadapt.drafts.formats import DraftFormatError
 from draftadapt.drafts.methods import method_of_dir
 
 GREEDY_EPS = 1e-4  # temperature 0 is greedy: capture at a tiny temperature (one-hot target)
+
+
+@dataclass
+class EvaluateConfig:
+    """``draftadapt eval``'s settings (each flag sets the field of the same name)."""
+
+    target: str = ""  # HF target model directory
+    draft: str = ""  # draft directory (Eagle-3 or a small draft LM)
+    k: int = 3  # speculative tokens per step
+    temperature: float = 1.0  # sampling temperature; 0 = greedy
+    num_prompts: int = 64  # held-out prompts, one response each
+    max_tokens: int = 96  # response budget
+    seed: int = 0  # sampling seed (and the toy prompts' when the target has no heldout.jsonl)
+
+    def validate(self) -> None:
+        if not self.target or not self.draft:
+            raise ConfigError("eval needs target and draft: pass --target DIR --draft DIR")
+        if self.k < 1 or self.temperature < 0 or self.num_prompts < 1 or self.max_tokens < 1:
+            raise ConfigError(f"eval: k >= 1, temperature >= 0, num_prompts >= 1 and max_tokens >= 1 "
+                              f"(got {self.k}, {self.temperature}, {self.num_prompts}, {self.max_tokens})")
 
 
 def eval_prompts(target: str | Path, num: int, seed: int) -> list[str]:
@@ -85,10 +107,10 @@ def simulate_on_rollouts(target: Path, draft: Path, method: str, rollouts, k: in
     return score_draft(model, iter_captured(capture, batches), k)
 
 
-def evaluate(target: str | Path, draft: str | Path, k: int = 3, temperature: float = 1.0, num_prompts: int = 64,
-             max_tokens: int = 96, seed: int = 0, repeats: int = 1, threads: int | None = None,
+def evaluate(cfg: EvaluateConfig, repeats: int = 1, threads: int | None = None,
              prompts: list[str] | None = None) -> dict[str, Any]:
-    target, draft = Path(target), Path(draft)
+    target, draft = Path(cfg.target), Path(cfg.draft)
+    k, temperature, num_prompts, max_tokens, seed = cfg.k, cfg.temperature, cfg.num_prompts, cfg.max_tokens, cfg.seed
     method = method_of_dir(draft).name
     prompts = prompts if prompts is not None else eval_prompts(target, num_prompts, seed)
     spec_runs = _run_engine(target, draft, method, k, prompts, temperature, max_tokens, seed, repeats, threads)
@@ -134,18 +156,18 @@ def evaluate(target: str | Path, draft: str | Path, k: int = 3, temperature: flo
     }
 
 
-def eval_cli(target: str, draft: str, k: int, temperature: float, num_prompts: int, max_tokens: int, seed: int,
-             json_only: bool) -> int:
+def eval_cli(overrides: list[str], json_only: bool) -> int:
+    """``draftadapt eval``: ``overrides`` are EvaluateConfig's ``key=value`` (from the flags)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    cfg = load_config(EvaluateConfig, None, overrides)
     try:
-        result = evaluate(target, draft, k=k, temperature=temperature, num_prompts=num_prompts,
-                          max_tokens=max_tokens, seed=seed)
+        result = evaluate(cfg)
     except (DraftFormatError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if not json_only:
         print(f"acceptance length: measured {result['acceptance_length_measured']:.3f}, simulated "
-              f"{result['acceptance_length_simulated']:.3f} (k={k}, T={temperature}); speedup "
+              f"{result['acceptance_length_simulated']:.3f} (k={cfg.k}, T={cfg.temperature}); speedup "
               f"{result['speedup']:.2f}x ({result['tokens_per_s_plain']:.0f} -> {result['tokens_per_s_spec']:.0f} tokens/s)",
               file=sys.stderr)
     print(json.dumps(result), flush=True)

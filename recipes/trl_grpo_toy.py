@@ -33,7 +33,7 @@ import torch
 
 from draftadapt.adapter import AdapterConfig, ScheduleConfig
 from draftadapt.config import ConfigError, load_config, save_config
-from draftadapt.toy import task
+from draftadapt.toy import PRETRAIN_RECIPE, task
 
 
 @dataclass
@@ -41,10 +41,10 @@ class TRLToyConfig:
     out: str = "runs/trl"
     toy: str | None = None  # reuse a built toy target (default: OUT/toy, built once)
     draft: str | None = None  # reuse a pretrained Eagle-3 draft (default: OUT/draft0, pretrained once)
-    pretrain_recipe: str = "recipes/pretrain_eagle3_toy.yaml"
+    pretrain_recipe: str = str(PRETRAIN_RECIPE)  # the demo's draft pretraining (package data)
     seed: int = 0
-    # GRPO optimizer steps with draftadapt. 16, not 12: the policy drifts from the draft slowly at
-    # first (12 steps measured a last-third adapted/frozen of 1.14, the frozen draft still at 3.0)
+    # GRPO optimizer steps with draftadapt: the policy drifts from the draft slowly at first, so
+    # fewer steps end before the frozen draft has fallen (docs/design.md, "TRL integration")
     steps: int = 16
     prompts_per_step: int = 64  # distinct problems per step (as the demo: 16 x 4 was too noisy)
     group_size: int = 4  # TRL's num_generations
@@ -57,9 +57,8 @@ class TRLToyConfig:
     style: str = "verbose"  # the demo's reward: correct answer + style_bonus for this style
     style_bonus: float = 1.0
     k: int = 3
-    # torch threads of this process (trainer and in-process engine). 1, not 2: on a 2-core machine
-    # shared with anything else, two OpenMP threads on one free core wait on each other at every
-    # barrier (seen here: a 64-rollout step took 150 s instead of seconds).
+    # torch threads of this process (trainer and in-process engine): on a 2-core machine shared
+    # with anything else, two OpenMP threads on one free core wait on each other at every barrier
     engine_threads: int = 1
     eval_prompts: int = 32  # held-out prompts both drafts are measured on after every step
     eval_seed: int = 1234
@@ -68,7 +67,7 @@ class TRLToyConfig:
     # (2..baseline_steps) of the draftadapt run: completions grow as the policy drifts, so later
     # steps cost more whatever generates them.
     baseline_steps: int = 4
-    # The demo's online schedule (recipes/toy_grpo.py, DemoConfig.adapter explains it).
+    # The demo's online schedule (draftadapt/toy/grpo.py, DemoConfig.adapter explains it).
     adapter: AdapterConfig = field(default_factory=lambda: AdapterConfig(
         schedule=ScheduleConfig(train_steps=20), train=replace(AdapterConfig().train, lr=2e-3, batch_size=16)))
 

@@ -24,15 +24,14 @@ from tqdm import tqdm
 
 
 def run_drafts(run: Path):
-    """The demo's config (the recipe's DemoConfig, as the run saved it) and its drafts by arm."""
+    """The demo's config (its DemoConfig, as the run saved it) and its drafts by arm."""
     from draftadapt.config import load_config
     from draftadapt.data.store import DraftStore
-    from draftadapt.demo import load_recipe
+    from draftadapt.toy import grpo as recipe
 
     cfg_file = run / "config.yaml"
     if not cfg_file.is_file():
         raise SystemExit(f"error: {cfg_file} not found: --run takes the --out DIR of a finished `draftadapt demo`")
-    recipe = load_recipe()
     cfg = load_config(recipe.DemoConfig, cfg_file)
     if not (run / "final_policy" / "config.json").is_file():
         raise SystemExit(f"error: {run / 'final_policy'} is missing: the demo did not finish; rerun it")

@@ -41,7 +41,7 @@ def reproduce(recipes: list[Path]) -> list[tuple[str, object]]:
 
 
 def refit() -> None:
-    from draftadapt.sim.paper import ZERO_RECIPE, THINK_RECIPE, fit_think, fit_zero
+    from sim_paper import THINK_RECIPE, ZERO_RECIPE, fit_think, fit_zero  # beside this script
     from draftadapt.sim.calibrate import get_param
 
     think = fit_think()

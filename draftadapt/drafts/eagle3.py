@@ -60,6 +60,12 @@ class Eagle3Config:
         return cls(**{k: v for k, v in data.items() if k in known})
 
 
+# The decoder layer's sizes, named as an HF Llama config names them: a head is sized from its
+# target's config by these names, and exported under them.
+LAYER_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "max_position_embeddings", "rms_norm_eps", "rope_theta")
+
+
 def default_aux_layers(num_layers: int) -> list[int]:
     """Low, middle and high layers, all distinct, all below the last layer.
 
@@ -297,10 +303,12 @@ def init_from_target(target, aux_layer_ids: list[int] | None, draft_vocab: int |
     from draftadapt.drafts.vocab import build_vocab_map
 
     tc = target.config
-    hidden = tc.hidden_size
-    nh = tc.num_attention_heads
-    nkv = getattr(tc, "num_key_value_heads", nh) or nh
-    head_dim = getattr(tc, "head_dim", None) or hidden // nh
+    # one of the target's decoder layers (a config may leave out the kv heads and head_dim, and
+    # newer ones keep rope_theta in rope_parameters)
+    layer = {name: getattr(tc, name, None) for name in LAYER_FIELDS}
+    layer["num_key_value_heads"] = layer["num_key_value_heads"] or tc.num_attention_heads
+    layer["head_dim"] = layer["head_dim"] or tc.hidden_size // tc.num_attention_heads
+    layer["rope_theta"] = _rope_theta(tc)
     layers = aux_layer_ids or default_aux_layers(tc.num_hidden_layers)
     for k in layers:
         if not 0 <= k <= tc.num_hidden_layers:
@@ -310,23 +318,9 @@ def init_from_target(target, aux_layer_ids: list[int] | None, draft_vocab: int |
             )
     vt = tc.vocab_size
     vd = draft_vocab or vt
-    rope_theta = _rope_theta(tc)
-    cfg = Eagle3Config(
-        hidden_size=hidden,
-        intermediate_size=tc.intermediate_size,
-        num_attention_heads=nh,
-        num_key_value_heads=nkv,
-        head_dim=head_dim,
-        target_hidden_size=hidden,
-        target_vocab_size=vt,
-        draft_vocab_size=vd,
-        aux_layer_ids=list(layers),
-        max_position_embeddings=tc.max_position_embeddings,
-        rope_theta=rope_theta,
-        rms_norm_eps=tc.rms_norm_eps,
-        target_model_type=tc.model_type,
-        target_num_layers=tc.num_hidden_layers,
-    )
+    cfg = Eagle3Config(**layer, target_hidden_size=tc.hidden_size, target_vocab_size=vt, draft_vocab_size=vd,
+                       aux_layer_ids=list(layers), target_model_type=tc.model_type,
+                       target_num_layers=tc.num_hidden_layers)
     head = Eagle3Head(cfg)
     head.init_weights(seed)
     with torch.no_grad():

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from draftadapt.drafts.eagle3 import Eagle3Config, Eagle3Head
+from draftadapt.drafts.eagle3 import LAYER_FIELDS, Eagle3Config, Eagle3Head
 from draftadapt.drafts.vocab import check_vocab_map
 from draftadapt.fileio import atomic_path, atomic_write_json, bytes_sha256, file_sha256, fsync_dir
 
@@ -117,19 +117,8 @@ def _layer_config(cfg: Eagle3Config) -> dict[str, Any]:
     """The llama config of the head's single decoder layer, as transformers writes it."""
     from transformers import LlamaConfig
 
-    lc = LlamaConfig(
-        vocab_size=cfg.target_vocab_size,
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=1,
-        num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_key_value_heads,
-        head_dim=cfg.head_dim,
-        max_position_embeddings=cfg.max_position_embeddings,
-        rms_norm_eps=cfg.rms_norm_eps,
-        rope_theta=cfg.rope_theta,
-        tie_word_embeddings=False,
-    ).to_dict()
+    layer = {name: getattr(cfg, name) for name in LAYER_FIELDS}
+    lc = LlamaConfig(**layer, vocab_size=cfg.target_vocab_size, num_hidden_layers=1, tie_word_embeddings=False).to_dict()
     lc["architectures"] = [EAGLE3_ARCH]
     lc.pop("transformers_version", None)
     return lc

@@ -2,6 +2,7 @@
 
     draftadapt simulate recipes/sim_qwen3_8b_sync.yaml [key=value ...] [--json] [--plot PNG]
     python scripts/sim_reproduce.py            # every published figure beside its projection
+    python scripts/sim_reproduce.py --refit    # and the 8B calibration (scripts/sim_paper.py)
 
 Pure Python (numpy, scipy for fits, matplotlib for the PNG); no engine, no torch.
 
@@ -11,7 +12,6 @@ Pure Python (numpy, scipy for fits, matplotlib for the PNG); no engine, no torch
                     sync / async pipelines, drift and adaptation over a run
     telemetry.py    reader for the JSON-lines telemetry a draftadapt run writes
     calibrate.py    fit free parameters to telemetry, report the fit error
-    paper.py        which published rows calibrate the 8B recipes
     costbenefit.py  adapt_gain: does adapting the draft now pay?
     report.py       stdout table and projected-vs-published comparison
     plot.py         step-time breakdown and speedup against acceptance (PNG)

@@ -13,15 +13,17 @@ LABELS = {"plain": "no speculation", "spec": "speculation, frozen draft", "adapt
 
 @dataclass
 class Comparison:
-    figure: str
-    published: float
-    projected: float
-    source: str
-    overrides: list[str]
-    gated: bool
-    calibrated: bool
-    tolerance: float
-    note: str
+    """A published figure (config.Published, its value as ``published``) beside its projection."""
+
+    figure: str  # e.g. sync.gen_speedup.spec
+    published: float  # the paper's value
+    projected: float  # the simulator's, for the recipe variant
+    source: str  # where the paper states it
+    overrides: list[str]  # the variant: key=value on top of the recipe
+    gated: bool  # counted in the reproduction bar
+    calibrated: bool  # the recipe was fitted to it (not a prediction)
+    tolerance: float  # allowed relative error
+    note: str  # why it is not gated, or what it rests on
 
     @property
     def rel_err(self) -> float:

@@ -37,7 +37,8 @@ def test_demo_smoke(toy_target, tmp_path):
            "adapter.schedule.every_n_steps=1", "adapter.schedule.train_steps=2", "adapter.train.batch_size=8",
            "adapter.schedule.min_sequences=8",
            "pretrain_prompts=48", "fresh_max_minutes=0.2", f"spool={tmp_path / 'spool'}", f"baseline={base}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    # from another directory: the demo's pretrain recipe (the fresh reference below) is package data
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     last = json.loads(proc.stdout.strip().splitlines()[-1])
     assert last["steps"] == 3
@@ -59,8 +60,13 @@ def test_demo_smoke(toy_target, tmp_path):
     for arm in ("plain", "frozen", "adapted"):
         assert len(summary["arms"][arm]["acceptance_length_per_step"]) == 3
         assert summary["arms"][arm]["mean_tokens_per_s"] > 0
-    for arm in ("frozen", "adapted"):
-        assert all(1.0 <= a <= 4.0 for a in summary["arms"][arm]["acceptance_length_per_step"])
+    # Measured here: the frozen arm (draft0, an untrained head) 1.017-1.020 every step, the adapted
+    # one 1.216-1.234 (two optimizer steps a round). The frozen arm stays an untrained head's (an
+    # arm that serves the adapted draft instead reads ~1.2), and the adapted arm is above it by at
+    # least half the gain measured (a round that never reaches the engine leaves it at ~1.02).
+    frozen, adapted = (summary["arms"][arm]["acceptance_length_per_step"] for arm in ("frozen", "adapted"))
+    assert all(f < 1.1 for f in frozen), frozen
+    assert all(a > f + 0.1 for a, f in zip(adapted, frozen)), (adapted, frozen)
     assert len(summary["reward_per_step"]) == 3
     assert (out / "acceptance.png").stat().st_size > 1000
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -70,8 +76,8 @@ def test_demo_smoke(toy_target, tmp_path):
                  "stage/rl_step_s", "stage/measure_s", "adapt/handover_s"):
         assert name in keys, name
     # The measured length is the counters' own arithmetic, 1 + the per-position rates, and vLLM
-    # counts position i only after 0..i-1 were accepted, so the rates never rise. (draft0 is a
-    # random head and trains 2 steps a round: no bound on the length itself is safe here.)
+    # counts position i only after 0..i-1 were accepted, so the rates never rise. (The lengths'
+    # bounds are the arms' above.)
     for r in (r for r in rows if "accept/pos_0" in r):
         pos = [r[f"accept/pos_{i}"] for i in range(3)]
         assert r["accept/length"] == pytest.approx(1.0 + sum(pos), abs=1e-6), r
@@ -79,11 +85,13 @@ def test_demo_smoke(toy_target, tmp_path):
     assert list((out / "tb").glob("events.out.tfevents*"))
     # the reference: a fresh draft pretrained on the final policy, measured in the same engine
     fresh = summary["fresh_final"]
-    # Strictly above 1.0: the fresh draft is trained on the final policy's own outputs, and 8
-    # prompts x 64 tokens give ~400 drafts; even a random head's proposals are the target's sample
-    # ~1/64 of the time, so 1.0 (nothing accepted) means its weights never reached the engine.
-    assert 1.0 < fresh["acceptance_length"] <= 4.0
-    assert 1.0 <= fresh["adapted_final_acceptance"] <= 4.0
+    # Measured here: the fresh draft (12 s of pretraining on the final policy) 1.240 against the
+    # untrained head's ~1.02; the bar is halfway. Weights that never reached the engine read ~1.02.
+    assert fresh["acceptance_length"] > 1.13, fresh
+    # The adapted draft once more after the fresh one was swapped in and out: the same draft,
+    # policy, prompts and seed as the last step's adapted arm, so the same number to the last
+    # digit (measured equal); a swap back that left another draft serving is not (fresh: 1.240).
+    assert fresh["adapted_final_acceptance"] == pytest.approx(adapted[-1], rel=1e-9, abs=0)
     assert (out / "draft_fresh_final" / "draftadapt.json").is_file()
     assert "adapted_over_fresh_final_acceptance" in last
 
@@ -102,9 +110,9 @@ def test_demo_smoke(toy_target, tmp_path):
     assert [r["step"] for r in mine["per_step"]] == [0, 1]  # step s scored on step s + 1's rollouts
     live = {r["step"]: r["accept/simulated_length"] for r in rows if "accept/simulated_length" in r}
     for r in mine["per_step"]:
-        # simulated: 1 + a sum of target probabilities of the proposals, above 1.0 for any draft
-        # whose proposals the target gives mass at all (1.0 = an all-zero or unloaded head)
-        assert 1.0 < r["adapted"] <= 4.0 and 1.0 < r["frozen"] <= 4.0
+        # simulated on the replay's held-out rollouts. Measured: frozen (the untrained draft0)
+        # 1.048 / 1.014, adapted 1.356 / 1.190; the bar is half the smaller gain
+        assert r["frozen"] < 1.1 and r["adapted"] > r["frozen"] + 0.08, r
         # the demo logs the adapter's metrics at the policy version it trained against
         assert abs(r["simulated_length"] - live[r["policy_version"]]) <= 1e-3, (r, live)
     assert [r["frozen"] for r in other["per_step"]] == [r["frozen"] for r in mine["per_step"]]

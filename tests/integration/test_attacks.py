@@ -223,7 +223,7 @@ def test_a_non_finite_round_rolls_back_to_the_live_draft(toy_target, trained_hea
 def test_a_restarted_adapter_resumes_from_its_newest_draft_and_optimizer(toy_target, trained_head, tmp_path):
     out = tmp_path / "drafts"
     cfg = small_cfg()
-    cfg.validate_cfg.margin = 0.99  # the point here is the restart: publish whatever the round gives
+    cfg.validation.margin = 0.99  # the point here is the restart: publish whatever the round gives
     first = DraftAdapter(toy_target, trained_head, out, cfg)
     first.observe(toy_rollouts(24, 3), policy_version=0)
     assert first.step(force=True)["adapt/published"] == 1.0

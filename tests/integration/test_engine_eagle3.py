@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import shutil
 
 import pytest
@@ -182,6 +183,53 @@ def test_policy_tensors_go_in_as_they_are_in_any_dtype(engine, toy_target, tmp_p
         assert all(torch.equal(as_bf16[k], original[k].to(torch.bfloat16)) for k in original)
     finally:
         engine.update_policy(original)
+
+
+class _Lines(logging.Handler):
+    """What a logger passes on (after its own filters), as text."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def test_reload_warns_only_for_modules_that_should_have_loaded(engine, drafts, toy_target, monkeypatch):
+    """vLLM's layerwise reload warns "<class>: Failed to load weights" for every module a load
+    leaves unfilled. Swaps and policy updates leave out the rotary buffers and the embeddings
+    shared with the target on purpose: no line (a demo log had 36). A policy update that misses a
+    module's weights keeps its line."""
+    import draftadapt.engine.worker_ext as worker_ext
+
+    assert engine.in_process  # the reload, and its logging, run in this process
+    original = load_file(str(toy_target / WEIGHTS_FILE))
+    log = logging.getLogger(worker_ext.RELOAD_LOGGER)
+    seen = _Lines()
+    log.addHandler(seen)
+    try:
+        engine.swap_draft(drafts["v1"])
+        engine.update_policy(original)
+        engine.swap_draft(drafts["v0"])
+        quiet = list(seen.lines)
+        # the same swap with nothing expected: vLLM does warn, under this logger and message (so
+        # the filter matches what vLLM writes, and the empty list above is not an empty logger)
+        monkeypatch.setattr(worker_ext, "expected_unloaded", lambda model, shared=frozenset(): set())
+        engine.swap_draft(drafts["v1"])
+        unfiltered = list(seen.lines)
+        monkeypatch.undo()
+        seen.lines.clear()
+        partial = {k: v for k, v in original.items() if k != "model.layers.0.mlp.down_proj.weight"}
+        engine.update_policy(partial)
+    finally:
+        log.removeHandler(seen)
+        engine.swap_draft(drafts["v0"])
+        engine.update_policy(original)
+    assert quiet == []
+    assert "RotaryEmbedding: Failed to load weights" in unfiltered, unfiltered
+    assert seen.lines == ["RowParallelLinear: Failed to load weights"]
+    assert not log.filters  # the filter lives only inside our reload call
 
 
 def test_engine_refuses_unfit_drafts(toy_target, known_target, tmp_path):

@@ -45,12 +45,12 @@ def test_eagle3_pretrain_writes_a_loadable_draft(eagle3_run, toy_target):
     from draftadapt.drafts.formats import check_draft_for_target, load_eagle3
 
     out, summary, _ = eagle3_run
+    print(json.dumps(summary))  # with -s: the numbers the bounds below were set from
     assert summary["method"] == "eagle3" and summary["steps"] == 2
-    # Simulated length = 1 + a sum of target probabilities of the draft's proposals over the held-out
-    # starts: above 1.0 for any draft whose proposals the target gives any mass (even a random head
-    # hits the target's argmax ~1/64 of the time); exactly 1.0 means the head proposes nothing the
-    # target would sample (e.g. all-zero weights), a failure that otherwise passes silently.
-    assert 1.0 < summary["acceptance_length_simulated"] <= 4.0 and len(summary["per_position_acceptance"]) == 3
+    # Measured on these held-out sequences (the same scorer): an untrained head 1.016, these two
+    # steps 1.276. The bar is halfway: an export of weights other than the trained ones (or none)
+    # scores like the untrained head.
+    assert summary["acceptance_length_simulated"] > 1.15 and len(summary["per_position_acceptance"]) == 3
     meta = check_draft_for_target(out, toy_target)  # what the engine checks before starting
     assert meta["method"] == "eagle3" and meta["format"] == "speculators"
     head = load_eagle3(out, toy_target)

@@ -78,3 +78,19 @@ def test_an_override_inside_a_section_keeps_the_parents_defaults_for_the_rest():
     cfg = load_config(Top, None, ["mid.c=0.1"])
     assert cfg.mid.inner == Inner(a=10, b=20) and cfg.mid.c == 0.1
     assert load_config(Top, None, []) == Top()
+
+
+def test_a_renamed_key_names_the_new_one(tmp_path):
+    """A config.yaml saved before AdapterConfig.validate_cfg became ``validation`` fails telling
+    the user what to write instead (at any depth), and the new key works."""
+    from draftadapt.adapter import AdapterConfig
+    from draftadapt.toy.grpo import DemoConfig
+
+    with pytest.raises(ConfigError, match=r"^validate_cfg was renamed to validation; write validation"):
+        load_config(AdapterConfig, None, ["validate_cfg.margin=0.1"])
+    p = tmp_path / "config.yaml"
+    p.write_text("adapter:\n  validate_cfg:\n    max_heldout: 16\n")
+    with pytest.raises(ConfigError, match=r"^adapter.validate_cfg was renamed to adapter.validation"):
+        load_config(DemoConfig, p)
+    cfg = load_config(DemoConfig, None, ["adapter.validation.margin=0.2"])
+    assert cfg.adapter.validation.margin == 0.2 and cfg.adapter.validation.max_heldout == 32

@@ -1,31 +1,18 @@
-"""The toy GRPO update of recipes/toy_grpo.py (pure logic on a tiny model; the demo's e2e test runs
+"""The toy GRPO update of draftadapt/toy/grpo.py (pure logic on a tiny model; the demo's e2e test runs
 it against real engines). The KL term once had its sign flipped and pushed the policy away from
 the reference (KL 0.01 -> 1.9 in six steps, accuracy -> 0): these tests pin its direction."""
 
 from __future__ import annotations
 
 import copy
-import importlib.util
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from draftadapt.toy import task
+from draftadapt.toy import grpo, task
 from draftadapt.toy.model import ToyModelConfig, build_model
 from draftadapt.toy.tokenizer import build_tokenizer
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _recipe():
-    spec = importlib.util.spec_from_file_location("toy_grpo", REPO / "recipes" / "toy_grpo.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["toy_grpo"] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _rollouts(tok, n: int, seed: int):
@@ -38,15 +25,14 @@ def _rollouts(tok, n: int, seed: int):
     return problems, out
 
 
-def _kl(policy, reference, batch, mask, recipe) -> float:
+def _kl(policy, reference, batch, mask) -> float:
     with torch.no_grad():
-        return float(recipe.kl_to_reference(recipe.token_logprobs(policy, batch),
-                                            recipe.token_logprobs(reference, batch), mask))
+        return float(grpo.kl_to_reference(grpo.token_logprobs(policy, batch),
+                                          grpo.token_logprobs(reference, batch), mask))
 
 
 @pytest.mark.parametrize("kl_coef", [0.0, 1.0])
 def test_kl_term_pulls_toward_the_reference(kl_coef):
-    recipe = _recipe()
     torch.manual_seed(0)
     tok = build_tokenizer()
     small = ToyModelConfig(num_layers=2, hidden_size=64, num_heads=2, num_kv_heads=2, intermediate_size=128)
@@ -57,16 +43,16 @@ def test_kl_term_pulls_toward_the_reference(kl_coef):
             p.add_(0.05 * torch.randn_like(p))
     problems, rollouts = _rollouts(tok, 8, seed=3)
     # every sample of a group gets the same reward: zero advantages, only the KL term acts
-    cfg = recipe.GRPOConfig(group_size=4, kl_coef=kl_coef, style_bonus=0.0, lr=1e-2, warmup_steps=0)
+    cfg = grpo.GRPOConfig(group_size=4, kl_coef=kl_coef, style_bonus=0.0, lr=1e-2, warmup_steps=0)
     same = [problems[0]] * len(rollouts)  # one problem for all: rewards equal within each group
     rollouts = [SimpleNamespace(**{**vars(r), "text": "garbage"}) for r in rollouts]
-    batch = recipe.collate([recipe.Sequence(list(r.prompt_token_ids), list(r.token_ids)) for r in rollouts], 0)
+    batch = grpo.collate([grpo.Sequence(list(r.prompt_token_ids), list(r.token_ids)) for r in rollouts], 0)
     mask = batch["loss_mask"][:, :-1].float()
-    before = _kl(policy, reference, batch, mask, recipe)
+    before = _kl(policy, reference, batch, mask)
     opt = torch.optim.SGD(policy.parameters(), lr=cfg.lr)
     for step in range(5):
-        out = recipe.grpo_update(policy, reference, opt, same, rollouts, cfg, 0, step)
-    after = _kl(policy, reference, batch, mask, recipe)
+        out = grpo.grpo_update(policy, reference, opt, same, rollouts, cfg, 0, step)
+    after = _kl(policy, reference, batch, mask)
     assert out["rl/reward"] == 0.0
     if kl_coef:
         # measured: the KL falls by far more than this; a flipped sign makes it grow
@@ -76,14 +62,13 @@ def test_kl_term_pulls_toward_the_reference(kl_coef):
 
 
 def test_warmup_ramps_the_learning_rate():
-    cfg = _recipe().GRPOConfig(lr=8e-4, warmup_steps=3)
+    cfg = grpo.GRPOConfig(lr=8e-4, warmup_steps=3)
     assert [cfg.lr_at(s) for s in range(5)] == pytest.approx([2e-4, 4e-4, 6e-4, 8e-4, 8e-4])
 
 
 def test_micro_batches_give_the_update_of_one_batch():
     """Length-sorted micro-batches (no padding to the step's longest response) must change the
     speed only: the same loss, KL and parameters after the step as one padded batch."""
-    recipe = _recipe()
     tok = build_tokenizer()
     small = ToyModelConfig(num_layers=2, hidden_size=64, num_heads=2, num_kv_heads=2, intermediate_size=128)
     reference = build_model(small, seed=0).eval()
@@ -98,8 +83,8 @@ def test_micro_batches_give_the_update_of_one_batch():
     results = {}
     for micro in (len(rollouts), 5):
         policy = copy.deepcopy(start)
-        cfg = recipe.GRPOConfig(group_size=4, kl_coef=0.5, style_bonus=0.5, lr=1e-2, warmup_steps=0, micro_batch=micro)
-        out = recipe.grpo_update(policy, reference, torch.optim.SGD(policy.parameters(), lr=cfg.lr),
+        cfg = grpo.GRPOConfig(group_size=4, kl_coef=0.5, style_bonus=0.5, lr=1e-2, warmup_steps=0, micro_batch=micro)
+        out = grpo.grpo_update(policy, reference, torch.optim.SGD(policy.parameters(), lr=cfg.lr),
                                  problems, rollouts, cfg, 0, 0)
         results[micro] = (out, torch.cat([p.detach().flatten() for p in policy.parameters()]))
     (one, w_one), (many, w_many) = results[len(rollouts)], results[5]

@@ -3,6 +3,7 @@ the paper's rows, and report the fit error."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,10 +11,12 @@ import pytest
 from draftadapt.config import ConfigError, load_config
 from draftadapt.sim.calibrate import calibrate, evaluate, get_param, synthetic_telemetry
 from draftadapt.sim.config import SimConfig
-from draftadapt.sim.paper import THINK_RECIPE, ZERO_RECIPE, fit_think, fit_zero
 from draftadapt.sim.telemetry import read_telemetry
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+from sim_paper import THINK_RECIPE, ZERO_RECIPE, fit_think, fit_zero  # noqa: E402
+
 SMALL = ["workload.rollouts=512", "cluster.gpus=8", "workload.max_tokens=8192",
          "spec.k=3", "spec.accept_length=3.0", "spec.drift_per_step=0.03", "spec.accept_floor=2.0"]
 TRUTH = {"workload.sigma": 0.9, "engine.draft_overhead_ms": 1.2, "learner.logprob_mfu": 0.25,

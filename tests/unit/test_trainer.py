@@ -146,7 +146,10 @@ def test_score_improves_with_training_and_export_copy():
     for _ in range(8):
         tr.train_steps(batches)
     after, uniform = tr.score(held_b, k=3)
-    assert 1.0 <= before.length < after.length <= 4.0
+    # Measured on this tiny target (fixed seed): 1.051 before, 1.261 after 8 passes. Half that gain
+    # is the bar: float-order noise (~0.002, below) cannot fail it, a trainer that learns nothing
+    # cannot pass it.
+    assert after.length - before.length > 0.1, (before.length, after.length)
     assert len(after.per_position) == 3 and uniform.drafts >= after.drafts
     # the standalone scorer on the exported copy agrees with the trainer's. Not bit for bit: the
     # bare head and the trainer's wrapped one order their float sums differently, and with vLLM's
@@ -179,11 +182,18 @@ def test_reduced_draft_vocabulary_trains_and_scores():
     for loss in ("kl", "ce"):
         tr = DraftTrainer(init_from_target(target, [1, 2, 3], 12, token_counts(data, V), 0), "eagle3",
                           TrainConfig(batch_size=8, warmup_steps=1, loss=loss), total_steps=8)
+        untrained, _ = tr.score(batches, k=3)
         first = tr.train_steps(batches)["train/loss"]
         last = tr.train_steps(batches)["train/loss"]
         assert last < first
         visited, _ = tr.score(batches, k=3)
-        assert 1.0 <= visited.length <= 4.0
+        if loss == "kl":
+            # measured (fixed seed): 1.072 untrained, 1.125 after two passes; half the gain is the bar
+            assert visited.length - untrained.length > 0.025, (untrained.length, visited.length)
+        else:
+            # ce on the sampled tokens does not move this tiny head's score in two passes (measured
+            # 1.072 -> 1.068): only that it scores, i.e. some proposal is accepted
+            assert visited.length > 1.0, visited.length
 
 
 def test_narrower_mlp_keeps_everything_else(tmp_path):

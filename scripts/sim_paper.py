@@ -9,7 +9,8 @@ workload. recipes/sim_paper_qwen3_8b.jsonl holds those rows in the telemetry for
 * RL-Zero fits only its workload and learner, and only to the *plain* row; the engine
   constants come from RL-Think, so every speculative RL-Zero figure is a prediction.
 
-``scripts/sim_reproduce.py --refit`` prints both fits; the recipes hold their results.
+``scripts/sim_reproduce.py --refit`` prints both fits; the recipes hold their results. It reads
+the repository's recipes/ by path, so it lives beside the script, not in the package.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from draftadapt.sim.calibrate import Fit, calibrate
 from draftadapt.sim.config import SimConfig
 from draftadapt.sim.telemetry import StepRecord, read_telemetry
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 PAPER_TELEMETRY = ROOT / "recipes" / "sim_paper_qwen3_8b.jsonl"
 THINK_RECIPE = ROOT / "recipes" / "sim_qwen3_8b_think_sync.yaml"
 ZERO_RECIPE = ROOT / "recipes" / "sim_qwen3_8b_sync.yaml"

@@ -1,0 +1,44 @@
+"""The command line's flags are fields of the commands' config dataclasses: a flag left out
+leaves the dataclass default, a flag given sets its field, unknown keys are errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from draftadapt.cli import DEMO_FLAGS, EVAL_FLAGS, _parser, field_overrides, main
+from draftadapt.config import load_config
+from draftadapt.evaluate import EvaluateConfig
+from draftadapt.toy.grpo import DemoConfig
+
+
+def _demo(argv: list[str]) -> DemoConfig:
+    args = _parser().parse_args(["demo", *argv])
+    return load_config(DemoConfig, None, [*args.overrides, *field_overrides(args, DEMO_FLAGS)])
+
+
+def test_demo_flags_are_democonfig_fields():
+    assert _demo([]) == DemoConfig()
+    cfg = _demo(["--out", "o", "--steps", "4", "--seed", "2", "--toy", "t", "fresh_final=false"])
+    assert (cfg.out, cfg.grpo.steps, cfg.seed, cfg.toy, cfg.fresh_final) == ("o", 4, 2, "t", False)
+    # the flag wins over an override of the same field
+    assert _demo(["--seed", "5", "seed=3"]).seed == 5
+    assert _demo(["seed=3"]).seed == 3  # no flag: the override holds (a flag's default used to win)
+
+
+def test_eval_flags_are_evaluateconfig_fields():
+    args = _parser().parse_args(["eval", "--target", "t", "--draft", "d"])
+    assert load_config(EvaluateConfig, None, field_overrides(args, EVAL_FLAGS)) == EvaluateConfig(target="t", draft="d")
+    args = _parser().parse_args(["eval", "--target", "t", "--draft", "d", "--k", "5", "--temperature", "0",
+                                 "--num-prompts", "8", "--max-tokens", "32", "--seed", "1"])
+    cfg = load_config(EvaluateConfig, None, field_overrides(args, EVAL_FLAGS))
+    assert (cfg.k, cfg.temperature, cfg.num_prompts, cfg.max_tokens, cfg.seed) == (5, 0.0, 8, 32, 1)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["demo", "--out", "/nonexistent/x", "nope=1"], "unknown key(s) ['nope'] for DemoConfig"),
+    (["demo", "--out", "/nonexistent/x", "adapter.validate_cfg.margin=0.1"],
+     "adapter.validate_cfg was renamed to adapter.validation"),
+])
+def test_demo_refuses_a_bad_key_before_it_starts(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
