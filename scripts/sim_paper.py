@@ -9,23 +9,33 @@ workload. recipes/sim_paper_qwen3_8b.jsonl holds those rows in the telemetry for
 * RL-Zero fits only its workload and learner, and only to the *plain* row; the engine
   constants come from RL-Think, so every speculative RL-Zero figure is a prediction.
 
-``scripts/sim_reproduce.py --refit`` prints both fits; the recipes hold their results. It reads
+* 8B async (recipes/sim_qwen3_8b_async.yaml) fits one parameter to one row: the response-length
+  tail (workload.sigma, with the median re-solved so the mean, hence the tokens per step and
+  the RL-Think learner times, stays as fitted) to the plain exposed generation, 10.4 s. The
+  async steps with and without Eagle-3 and their ratio are predictions (docs/design.md
+  "Simulator: asynchronous steps").
+
+``scripts/sim_reproduce.py --refit`` prints the fits; the recipes hold their results. It reads
 the repository's recipes/ by path, so it lives beside the script, not in the package.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from draftadapt.config import load_config
 from draftadapt.sim.calibrate import Fit, calibrate
 from draftadapt.sim.config import SimConfig
+from draftadapt.sim.model import mean_response, median_for_mean, simulate_step
 from draftadapt.sim.telemetry import StepRecord, read_telemetry
 
 ROOT = Path(__file__).resolve().parents[1]
 PAPER_TELEMETRY = ROOT / "recipes" / "sim_paper_qwen3_8b.jsonl"
 THINK_RECIPE = ROOT / "recipes" / "sim_qwen3_8b_think_sync.yaml"
 ZERO_RECIPE = ROOT / "recipes" / "sim_qwen3_8b_sync.yaml"
+ASYNC_RECIPE = ROOT / "recipes" / "sim_qwen3_8b_async.yaml"
+ASYNC_EXPOSED_PLAIN_S = 10.4  # paper: 8B RL-Think async, lag 1, exposed generation without speculation
 
 THINK_FREE = ["workload.median_tokens", "workload.sigma", "engine.draft_overhead_ms",
               "learner.logprob_mfu", "learner.prepare_fixed_s"]
@@ -54,3 +64,30 @@ def fit_zero(draft_overhead_ms: float, recipe: Path = ZERO_RECIPE,
     start = load_config(SimConfig, recipe, NEUTRAL_START + [f"engine.draft_overhead_ms={draft_overhead_ms}"])
     plain = [r for r in paper_rows("rl-zero", telemetry) if not r.speculative]
     return calibrate(start, plain, ZERO_FREE)
+
+
+def with_tail(cfg: SimConfig, sigma: float, mean: float) -> SimConfig:
+    """``cfg`` with response-length shape ``sigma`` and the median that keeps the mean at
+    ``mean`` tokens."""
+    cfg = replace(cfg, workload=replace(cfg.workload, sigma=sigma))
+    return replace(cfg, workload=replace(cfg.workload, median_tokens=median_for_mean(cfg, mean)))
+
+
+def fit_async(recipe: Path = ASYNC_RECIPE, think_recipe: Path = THINK_RECIPE) -> dict[str, float]:
+    """The async recipe's tail: the sigma (median re-solved at RL-Think's mean response) whose
+    plain async step exposes 10.4 s of generation. Exposure rises with the tail (a longer
+    tail holds the batch longer), so bisection finds it."""
+    mean = mean_response(load_config(SimConfig, think_recipe, ["published=[]"]))
+    cfg = load_config(SimConfig, recipe, ["published=[]", "pipeline.modes=[async]"])
+
+    def exposed(sigma: float) -> float:
+        return simulate_step(with_tail(cfg, sigma, mean), "async", None).exposed_gen_s
+
+    lo, hi = 0.2, 1.2
+    if not exposed(lo) < ASYNC_EXPOSED_PLAIN_S < exposed(hi):
+        raise ValueError(f"{recipe}: no workload.sigma in [{lo}, {hi}] exposes {ASYNC_EXPOSED_PLAIN_S} s")
+    for _ in range(30):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if exposed(mid) < ASYNC_EXPOSED_PLAIN_S else (lo, mid)
+    fitted = with_tail(cfg, 0.5 * (lo + hi), mean)
+    return {"workload.sigma": fitted.workload.sigma, "workload.median_tokens": fitted.workload.median_tokens}

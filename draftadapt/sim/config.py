@@ -204,6 +204,11 @@ class PipelineConfig:
     # own prompts' rollouts, generated up to max_lag versions ahead (one-step-off style)
     async_batching: Literal["finished", "prompts"] = "finished"
     steps: int = 8  # RL steps simulated to reach the steady state (split cluster)
+    # async weight sync: true = the trainer broadcasts the new weights (NCCL from the training
+    # ranks), so each train step also holds the trainer for the weight sync (learner.prepare_*)
+    # and generation pauses meanwhile; false = the engine loads them after the step and only
+    # generation pauses (docs/design.md "Simulator: asynchronous steps")
+    sync_on_trainer: bool = False
 
     def validate(self) -> None:
         if not self.modes:

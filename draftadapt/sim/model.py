@@ -368,6 +368,7 @@ def simulate_generation(
     prepare_s: float,
     lag: int,
     stream: bool = False,
+    trainer_sends: bool = False,
 ) -> tuple[list[float], list[float], list[tuple[float, float]]]:
     """Event-driven rollout generation on one replica, coupled to the trainer.
 
@@ -382,6 +383,10 @@ def simulate_generation(
     stream=True (async): the replica generates the sequences in order and step j trains on
     the j-th n sequences to *finish*, so a long response never holds back a batch; at most
     (lag + 1) batches of sequences are started and not yet trained on (bounded staleness).
+    trainer_sends: the trainer broadcasts the new weights itself (split async: NCCL from the
+    training ranks), so a train step holds the trainer for train_side_s + prepare_s and the
+    generation pause is the broadcast's last prepare_s seconds; the version is usable when the
+    step ends. Otherwise the engine loads the weights after the step, off the trainer.
 
     Returns (train_start [steps], train_end [steps], done [steps]), done[j] being the
     replica's (busy seconds, tokens generated) when the sequences of step j were complete.
@@ -407,8 +412,10 @@ def simulate_generation(
         v = order[i][0] - lag  # the policy version batch j must be sampled from
         if v <= 0:
             return 0.0
-        return train_end[v - 1] + prepare_s if len(train_end) >= v else math.inf
+        return train_end[v - 1] + landing_s if len(train_end) >= v else math.inf
 
+    held_s = prepare_s if trainer_sends else 0.0  # broadcast time on the trainer's side
+    landing_s = prepare_s - held_s  # after a train step ends, until its version is usable
     heap: list[tuple[float, float, int]] = []  # (finish progress, start progress, batch)
     t = progress = busy = tokens = 0.0  # progress: steps taken by every running sequence so far
     ctx_offset = 0.0  # sum over running sequences of (prompt - tau * start progress)
@@ -464,9 +471,9 @@ def simulate_generation(
             j = len(train_end)
             start = max(done_at[j], train_end[-1] if train_end else 0.0)
             train_start.append(start)
-            train_end.append(start + train_side_s)
+            train_end.append(start + train_side_s + held_s)
             if j + 1 < steps:
-                pauses.append(train_end[-1])
+                pauses.append(train_end[-1] - held_s)
     return train_start, train_end, done
 
 
@@ -498,8 +505,10 @@ def _pipeline(cfg: SimConfig, mode: str, tau: float, spec: bool, train_side_s: f
     window = group * max(2, math.ceil(cfg.pipeline.steps / group))
     steps = window + 2 * group
     batches = [rng.permutation(lengths) for _ in range(steps)]
+    # split sync has the weight sync on the critical path either way
     start, end, done = simulate_generation(step_fn, tau, batches, prompt, cap, pre,
-                                           train_side_s, prepare_s, lag, stream=stream)
+                                           train_side_s, prepare_s, lag, stream=stream,
+                                           trainer_sends=lag > 0 and cfg.pipeline.sync_on_trainer)
     first, last = group - 1, group - 1 + window
     step = (end[last] - end[first]) / window
     # how long training waits for rollouts; in sync the wait also holds the weight load

@@ -15,7 +15,7 @@ from draftadapt.sim.telemetry import read_telemetry
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
-from sim_paper import THINK_RECIPE, ZERO_RECIPE, fit_think, fit_zero  # noqa: E402
+from sim_paper import ASYNC_RECIPE, THINK_RECIPE, ZERO_RECIPE, fit_async, fit_think, fit_zero  # noqa: E402
 
 SMALL = ["workload.rollouts=512", "cluster.gpus=8", "workload.max_tokens=8192",
          "spec.k=3", "spec.accept_length=3.0", "spec.drift_per_step=0.03", "spec.accept_floor=2.0"]
@@ -72,6 +72,19 @@ def test_paper_fits_give_the_recipes_constants():
         assert fit.rms("gen_s") < 1e-3  # generation rows are met exactly
     # the paper's prepare times differ by 0.5 s between two identical steps: the fit error says so
     assert think.rms("prepare_s") > 0.1
+
+
+def test_async_fit_gives_the_recipes_tail_at_rl_thinks_mean_length():
+    """The 8B async recipe fits one parameter (the tail) to one row (exposed 10.4 s); the
+    mean response, hence tokens per step and learner times, stays RL-Think's."""
+    from draftadapt.sim.model import mean_response
+
+    fit = fit_async()
+    recipe = load_config(SimConfig, ASYNC_RECIPE)
+    for name, value in fit.items():
+        assert get_param(recipe, name) == pytest.approx(value, rel=0.01), name
+    think = load_config(SimConfig, THINK_RECIPE)
+    assert mean_response(recipe) == pytest.approx(mean_response(think), rel=0.005)
 
 
 def test_evaluate_skips_speculative_steps_without_acceptance():

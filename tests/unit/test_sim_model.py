@@ -154,6 +154,7 @@ def test_perfect_acceptance_free_drafter_reaches_the_memory_bound_ceiling(k):
     ["pipeline.async_batching=prompts"],
     ["pipeline.async_batching=prompts", "pipeline.max_lag=3", "workload.sigma=1.4"],
     ["cluster.gen_gpus=10", "cluster.train_gpus=2", "learner.train_mfu=0.1"],  # training-bound
+    ["pipeline.async_batching=prompts", "pipeline.sync_on_trainer=true", "learner.logprob_passes=0"],
     ["target.model=qwen3-235b-a22b", "target.weight_bytes=1", "engine.tp=4", "cluster.gpus=24",
      "cluster.gen_gpus=16", "cluster.train_gpus=8", "spec.k=5", "spec.accept_length=4"],
 ])
@@ -209,3 +210,20 @@ def test_spec_step_with_k_zero_is_a_plain_step():
     m = engine_model(small())
     assert spec_step_s(m, 32, 32 * 1000, 0) == target_step_s(m, 32, 32 * 1000)
     assert math.isfinite(spec_step_s(m, 32, 32 * 1000, 3))
+
+
+@pytest.mark.parametrize("train_mfu", [0.4, 0.05])  # generation-bound, training-bound
+def test_async_step_is_training_side_plus_weight_sync_plus_exposed_generation(train_mfu):
+    """The paper's reading of a lag-1 step (docs/design.md "Simulator: asynchronous steps"):
+    with the trainer broadcasting the weights, step = data + logprob + train + prepare +
+    exposed generation; with the engine loading them, the trainer never waits for the load."""
+    common = (*SPLIT, "pipeline.modes=[async]", "pipeline.async_batching=prompts",
+              f"learner.train_mfu={train_mfu}", "learner.prepare_fixed_s=2.0")
+    held = simulate_step(small(*common, "pipeline.sync_on_trainer=true"), "async", None)
+    side = held.data_s + held.logprob_s + held.train_s
+    assert held.step_s == pytest.approx(side + held.prepare_s + held.exposed_gen_s, rel=1e-6)
+    loaded = simulate_step(small(*common), "async", None)
+    assert loaded.step_s == pytest.approx(side + loaded.exposed_gen_s, rel=1e-6)
+    if train_mfu < 0.1:  # training-bound: generation is hidden, the broadcast is not
+        assert held.exposed_gen_s == loaded.exposed_gen_s == 0.0
+        assert held.step_s == pytest.approx(loaded.step_s + held.prepare_s, rel=1e-6)
