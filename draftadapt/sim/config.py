@@ -112,6 +112,15 @@ class EngineConfig:
     draft_overhead_ms: float = 0.3  # per draft forward (Eagle-3 runs k per step); n-gram: per step
     verify_overhead_ms: float = 0.2  # per speculative step: rejection sampling, bookkeeping
     allreduce_us: float = 8.0  # latency of one all-reduce inside a replica (2 per layer if tp > 1)
+    # Verify attention (docs/design.md "Simulator: draft length and n-gram"): up to
+    # decode_max_q query tokens per sequence (k + 1) run in the decode kernel, priced by the
+    # roofline above; more take a kernel whose time follows each sequence's own context,
+    # fallback_ns_per_ctx ns per token of the mean sequence's context per query token (0 = off)
+    decode_max_q: int = 4
+    fallback_ns_per_ctx: float = 0.0
+    # n-gram proposer: host-side matching over every running sequence's whole history each
+    # step, ns per context token (vLLM's n-gram proposer runs on the CPU; 0 = free)
+    ngram_ns_per_token: float = 0.0
     max_num_seqs: int = 1024  # vLLM max_num_seqs
     mem_util: float = 0.9  # vLLM gpu_memory_utilization: weights + KV cache budget
 
@@ -125,7 +134,10 @@ class EngineConfig:
         _fraction("engine", "mem_util", self.mem_util)
         _nonneg("engine", step_overhead_ms=self.step_overhead_ms,
                 draft_overhead_ms=self.draft_overhead_ms,
-                verify_overhead_ms=self.verify_overhead_ms, allreduce_us=self.allreduce_us)
+                verify_overhead_ms=self.verify_overhead_ms, allreduce_us=self.allreduce_us,
+                fallback_ns_per_ctx=self.fallback_ns_per_ctx, ngram_ns_per_token=self.ngram_ns_per_token)
+        if self.decode_max_q < 1:
+            raise ConfigError(f"engine.decode_max_q={self.decode_max_q} must be >= 1 (query tokens per sequence)")
 
 
 @dataclass

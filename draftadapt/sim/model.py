@@ -10,7 +10,9 @@ The pieces, bottom up:
   only the experts the batch routes to) and the KV cache of every running sequence, and
   does 2 FLOPs per weight per token plus attention; it takes the slower of the two, plus
   all-reduces and a fixed per-forward overhead. A speculative step verifies k+1 tokens per
-  sequence in one target forward and runs k draft forwards before it;
+  sequence in one target forward and runs k draft forwards before it (an n-gram proposal
+  instead: host-side matching over every sequence's history); a verify wider than the decode
+  attention kernel takes (k+1 > decode_max_q) pays per token of the mean sequence's context;
 * rollout generation: a fluid, event-driven simulation of one replica. Every running
   sequence advances ``tau`` tokens per step; a sequence leaves when its response is done
   (log-normal lengths, cut at max_tokens), so the batch shrinks and the late steps are
@@ -113,6 +115,9 @@ class EngineModel:
     flops: float  # reachable dense FLOP/s
     link: float  # NVLink bytes/s, one direction
     overhead_s: float  # fixed cost of one target forward
+    decode_max_q: int  # most query tokens per sequence the decode attention kernel takes
+    fallback_s_per_ctx: float  # beyond it: seconds per mean-sequence context token per query token
+    ngram_s_per_ctx: float  # n-gram proposer: host-side seconds per context token per step
     # draft: one forward, same form (Eagle-3 head or small LM; zeros for n-gram)
     draft_bytes: float
     draft_kv_bytes_per_token: float
@@ -181,6 +186,9 @@ def engine_model(cfg: SimConfig) -> EngineModel:
         flops=peak * e.flops_eff,
         link=gpu.link_gbps * 1e9,
         overhead_s=e.step_overhead_ms * 1e-3,
+        decode_max_q=e.decode_max_q,
+        fallback_s_per_ctx=e.fallback_ns_per_ctx * 1e-9,
+        ngram_s_per_ctx=e.ngram_ns_per_token * 1e-9 if cfg.spec.method == "ngram" else 0.0,
         draft_bytes=d_bytes,
         draft_kv_bytes_per_token=d_kv,
         draft_flops_per_token=d_flops,
@@ -202,7 +210,11 @@ def target_step_s(m: EngineModel, b: float, ctx: float, q: int = 1) -> float:
     mem = (m.dense_bytes + experts + m.kv_bytes_per_token * ctx) / m.bw
     compute = (m.flops_per_token * tokens + m.attn_flops_per_ctx * ctx * q) / m.flops
     comm = m.allreduce_s + m.allreduce_bytes_per_token * tokens / m.link if m.allreduce_s else 0.0
-    return max(mem, compute) + comm + m.overhead_s
+    # a wide verify leaves the decode kernel: its attention time follows the mean sequence's
+    # context per query token, not the batch's KV bytes (docs/design.md "Simulator: draft
+    # length and n-gram")
+    fallback = m.fallback_s_per_ctx * (ctx / b) * q if q > m.decode_max_q and b > 0 else 0.0
+    return max(mem, compute) + comm + m.overhead_s + fallback
 
 
 def draft_step_s(m: EngineModel, b: float, ctx: float) -> float:
@@ -213,11 +225,15 @@ def draft_step_s(m: EngineModel, b: float, ctx: float) -> float:
 
 
 def spec_step_s(m: EngineModel, b: float, ctx: float, k: int) -> float:
-    """One speculative step: k draft forwards (or one n-gram proposal), then one target
-    forward verifying k+1 tokens per sequence."""
+    """One speculative step: k draft forwards (or one n-gram proposal: a fixed cost plus
+    host-side matching over all ctx context tokens), then one target forward verifying k+1
+    tokens per sequence."""
     if k == 0:
         return target_step_s(m, b, ctx, 1)
-    draft = k * draft_step_s(m, b, ctx) if m.draft_forwards_per_step else m.draft_overhead_s
+    if m.draft_forwards_per_step:
+        draft = k * draft_step_s(m, b, ctx)
+    else:
+        draft = m.draft_overhead_s + m.ngram_s_per_ctx * ctx
     return draft + target_step_s(m, b, ctx, k + 1) + m.verify_overhead_s
 
 

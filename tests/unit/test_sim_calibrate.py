@@ -15,7 +15,9 @@ from draftadapt.sim.telemetry import read_telemetry
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
-from sim_paper import ASYNC_RECIPE, THINK_RECIPE, ZERO_RECIPE, fit_async, fit_think, fit_zero  # noqa: E402
+from sim_paper import (  # noqa: E402
+    ASYNC_RECIPE, THINK_RECIPE, ZERO_RECIPE, fit_async, fit_fallback, fit_ngram, fit_think, fit_zero,
+)
 
 SMALL = ["workload.rollouts=512", "cluster.gpus=8", "workload.max_tokens=8192",
          "spec.k=3", "spec.accept_length=3.0", "spec.drift_per_step=0.03", "spec.accept_floor=2.0"]
@@ -85,6 +87,16 @@ def test_async_fit_gives_the_recipes_tail_at_rl_thinks_mean_length():
         assert get_param(recipe, name) == pytest.approx(value, rel=0.01), name
     think = load_config(SimConfig, THINK_RECIPE)
     assert mean_response(recipe) == pytest.approx(mean_response(think), rel=0.005)
+
+
+def test_speculative_cost_fits_give_the_recipes_constants():
+    """One constant each: n-gram host matching fitted to RL-Think's n-gram row, the k > 3
+    verify fallback to the four k = 5 / 7 rows; RL-Zero holds the same values."""
+    fitted = {"engine.ngram_ns_per_token": fit_ngram(), "engine.fallback_ns_per_ctx": fit_fallback()}
+    for path in (THINK_RECIPE, ZERO_RECIPE):
+        recipe = load_config(SimConfig, path)
+        for name, value in fitted.items():
+            assert get_param(recipe, name) == pytest.approx(value, rel=0.01), f"{path.name}: {name}"
 
 
 def test_evaluate_skips_speculative_steps_without_acceptance():

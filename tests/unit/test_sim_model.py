@@ -227,3 +227,34 @@ def test_async_step_is_training_side_plus_weight_sync_plus_exposed_generation(tr
     if train_mfu < 0.1:  # training-bound: generation is hidden, the broadcast is not
         assert held.exposed_gen_s == loaded.exposed_gen_s == 0.0
         assert held.step_s == pytest.approx(loaded.step_s + held.prepare_s, rel=1e-6)
+
+
+def test_a_verify_wider_than_the_decode_kernel_pays_per_mean_sequence_context():
+    """k+1 <= decode_max_q: the roofline only; wider: + fallback per token of the mean
+    sequence's context per query token, the same for a batch of 4 or 64 at that length."""
+    base = engine_model(small())
+    m = engine_model(small("engine.fallback_ns_per_ctx=100", "engine.decode_max_q=4"))
+    for b in (4, 64):
+        ctx = b * 8000.0
+        assert target_step_s(m, b, ctx, 4) == target_step_s(base, b, ctx, 4)
+        extra = target_step_s(m, b, ctx, 6) - target_step_s(base, b, ctx, 6)
+        assert extra == pytest.approx(100e-9 * 8000.0 * 6)
+
+
+def test_without_the_fallback_a_longer_draft_costs_at_most_k_over_3():
+    """The bound behind the fallback (docs/design.md "Simulator: draft length and n-gram"): a
+    step costing verify + k drafts grows at most 5/3 from k = 3 to 5, so RL-Think's 0.84x at
+    k = 5 (2.1x its k = 3 cost per step) needs a cost that is not linear in k."""
+    m = engine_model(small())
+    for b, per_seq in ((1, 20000.0), (8, 15000.0), (128, 4000.0)):
+        ratio = spec_step_s(m, b, b * per_seq, 5) / spec_step_s(m, b, b * per_seq, 3)
+        assert 1.0 < ratio <= 5 / 3
+
+
+def test_ngram_step_pays_host_matching_per_context_token():
+    plain = engine_model(small(*FREE_DRAFTER))
+    m = engine_model(small(*FREE_DRAFTER, "engine.ngram_ns_per_token=100"))
+    for ctx in (1e5, 4e5):
+        assert spec_step_s(m, 32, ctx, 3) - spec_step_s(plain, 32, ctx, 3) == pytest.approx(100e-9 * ctx)
+    eagle = engine_model(small("engine.ngram_ns_per_token=100"))  # Eagle-3 ignores it
+    assert spec_step_s(eagle, 32, 1e5, 3) == spec_step_s(engine_model(small()), 32, 1e5, 3)
