@@ -266,7 +266,7 @@ class Published:
     value: float
     source: str = ""  # where the paper states it
     overrides: list[str] = field(default_factory=list)  # key=value applied on top of the recipe
-    gated: bool = True  # counted in the 10% reproduction bar
+    gated: bool = True  # counted in the reproduction bar (within ``tolerance``)
     calibrated: bool = False  # the recipe's free parameters were fitted to this figure
     tolerance: float = 0.10  # allowed relative error
     note: str = ""  # why a figure is not gated, or what it rests on

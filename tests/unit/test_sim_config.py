@@ -29,6 +29,9 @@ from draftadapt.sim.model import simulate
     (["engine.tp=3"], "do not split into replicas of engine.tp=3"),
     (["spec.k=3", "adapt.accept_length=5"], "adapt.accept_length=5.0"),
     (["pipeline.max_lag=0"], "0 is the sync pipeline"),
+    (["engine.fallback_ns_per_ctx=-1"], "engine.fallback_ns_per_ctx=-1.0 is negative"),
+    (["engine.ngram_ns_per_token=-5"], "engine.ngram_ns_per_token=-5.0 is negative"),
+    (["engine.decode_max_q=0"], "engine.decode_max_q=0 must be >= 1"),
 ])
 def test_bad_input_is_a_config_error_that_names_the_field(overrides, fragment):
     with pytest.raises(ConfigError) as info:
