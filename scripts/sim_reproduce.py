@@ -56,7 +56,8 @@ def refit() -> None:
         for param, value in fit.params.items():
             print(f"  {param:32s} fitted {value:.4g}   recipe {get_param(held, param):.4g}")
     think_cfg = load_config(SimConfig, THINK_RECIPE)
-    print("speculative step costs (RL-Think engine): n-gram fit on RL-Think n-gram, k>3 verify on the k=5/7 rows")
+    print("speculative step costs (RL-Think engine): n-gram fit on RL-Think's n-gram row, "
+          "the k>3 verify on the four k=5/7 rows")
     for param, value in (("engine.ngram_ns_per_token", fit_ngram()),
                          ("engine.fallback_ns_per_ctx", fit_fallback())):
         print(f"  {param:32s} fitted {value:.4g}   recipe {get_param(think_cfg, param):.4g}")
