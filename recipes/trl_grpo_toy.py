@@ -26,14 +26,15 @@ import gc
 import json
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from draftadapt.adapter import AdapterConfig, ScheduleConfig
+from draftadapt.adapter import AdapterConfig
 from draftadapt.config import ConfigError, load_config, save_config
 from draftadapt.toy import PRETRAIN_RECIPE, task
+from draftadapt.toy.grpo import pretrain_overrides, toy_adapter
 
 
 @dataclass
@@ -57,9 +58,10 @@ class TRLToyConfig:
     style: str = "verbose"  # the demo's reward: correct answer + style_bonus for this style
     style_bonus: float = 1.0
     k: int = 3
-    # torch threads of this process (trainer and in-process engine): on a 2-core machine shared
-    # with anything else, two OpenMP threads on one free core wait on each other at every barrier
-    engine_threads: int = 1
+    # torch threads of this process (trainer and in-process engine), both cores as the demo; on a
+    # machine shared with other jobs use 1: two OpenMP threads on one free core wait on each
+    # other at every barrier
+    engine_threads: int = 2
     eval_prompts: int = 32  # held-out prompts both drafts are measured on after every step
     eval_seed: int = 1234
     # Steps TRL runs without draftadapt, for its step time: with its own generation, and with
@@ -67,16 +69,16 @@ class TRLToyConfig:
     # (2..baseline_steps) of the draftadapt run: completions grow as the policy drifts, so later
     # steps cost more whatever generates them.
     baseline_steps: int = 4
-    # The demo's online schedule (draftadapt/toy/grpo.py, DemoConfig.adapter explains it).
-    adapter: AdapterConfig = field(default_factory=lambda: AdapterConfig(
-        schedule=ScheduleConfig(train_steps=20), train=replace(AdapterConfig().train, lr=2e-3, batch_size=16)))
+    # the demo's draft: pretrained on this many prompts (draftadapt/toy/grpo.py, DemoConfig explains it)
+    pretrain_prompts: int = 768
+    adapter: AdapterConfig = field(default_factory=toy_adapter)  # the demo's online schedule
 
 
 def prepare_world(cfg, out: Path) -> tuple[Path, Path]:
     """The toy target and a draft pretrained on it (built once; reused from OUT on a rerun)."""
     from draftadapt.pretrain import prepare_toy_world
 
-    return prepare_toy_world(out, cfg.toy, cfg.draft, cfg.seed, cfg.pretrain_recipe, (), tag="trl")
+    return prepare_toy_world(out, cfg.toy, cfg.draft, cfg.seed, cfg.pretrain_recipe, pretrain_overrides(cfg), tag="trl")
 
 
 def reward_funcs(cfg: TRLToyConfig):

@@ -69,6 +69,21 @@ class EvalConfig:
     seed: int = 1234
 
 
+def toy_adapter() -> AdapterConfig:
+    """The adapter the toy world's RL runs attach (this demo and recipes/trl_grpo_toy.py).
+
+    A round every other RL step: 8 optimizer steps of 16 sequences, the TTT steps >= 1 at a
+    quarter of the positions, 32 held-out rollouts to decide the publish (docs/design.md,
+    "Adapter cost"; chosen from the replay table in the README). The validation gate turns down
+    the early candidates, while the draft is still current, that come out worse than it.
+    """
+    return AdapterConfig(
+        recency_decay=0.25,  # the newest rollouts weigh most: the policy moves fast here
+        schedule=ScheduleConfig(every_n_steps=2, drift_fraction=0.0, train_steps=8),
+        validation=ValidateConfig(max_heldout=32),
+        train=replace(AdapterConfig().train, lr=2e-3, batch_size=16, ttt_slots=0.25))
+
+
 @dataclass
 class DemoConfig:
     out: str = "runs/demo"
@@ -105,15 +120,7 @@ class DemoConfig:
     adapter_background: bool = False
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
-    # A round every other RL step: 8 optimizer steps of 16 sequences, the TTT steps >= 1 at a
-    # quarter of the positions, 32 held-out rollouts to decide the publish (docs/design.md,
-    # "Adapter cost"; chosen from the replay table in the README). The validation gate turns down
-    # the early candidates, while the draft is still current, that come out worse than it.
-    adapter: AdapterConfig = field(default_factory=lambda: AdapterConfig(
-        recency_decay=0.25,  # the newest rollouts weigh most: the policy moves fast here
-        schedule=ScheduleConfig(every_n_steps=2, drift_fraction=0.0, train_steps=8),
-        validation=ValidateConfig(max_heldout=32),
-        train=replace(AdapterConfig().train, lr=2e-3, batch_size=16, ttt_slots=0.25)))
+    adapter: AdapterConfig = field(default_factory=toy_adapter)
 
 
 def token_logprobs(model, batch: dict, handover=None, index=None) -> torch.Tensor:
