@@ -12,7 +12,7 @@ held-out prompts (outside TRL's step time). Then TRL runs a few steps without dr
 its own generation (transformers ``generate``) and with vLLM rollouts without speculation.
 Prints one line per step and, at the end, one JSON line:
 
-    {"steps": 16, "adapted_over_frozen_acceptance": 1.224, "rl_step_speedup_over_trl_generate": 0.85, ...}
+    {"steps": 16, "adapted_over_frozen_acceptance": 1.366, "rl_step_speedup_over_trl_generate": 1.257, ...}
 
 Writes OUT/summary.json (the demo's shape: arms with acceptance_length_per_step, last_third) and
 OUT/trl/runs/*/events.out.tfevents.* (TensorBoard: accept/length, accept/pos_i, draft/version,
