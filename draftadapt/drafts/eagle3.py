@@ -305,6 +305,11 @@ def init_from_target(target, aux_layer_ids: list[int] | None, draft_vocab: int |
     tc = target.config
     # one of the target's decoder layers (a config may leave out the kv heads and head_dim, and
     # newer ones keep rope_theta in rope_parameters)
+    optional = ("num_key_value_heads", "head_dim", "rope_theta")
+    missing = [name for name in LAYER_FIELDS if name not in optional and getattr(tc, name, None) is None]
+    if missing:
+        raise ValueError(f"the target's config has no {', '.join(missing)}; an Eagle-3 head copies its decoder "
+                         "layer's sizes from them: pass a decoder-only HF causal LM's config")
     layer = {name: getattr(tc, name, None) for name in LAYER_FIELDS}
     layer["num_key_value_heads"] = layer["num_key_value_heads"] or tc.num_attention_heads
     layer["head_dim"] = layer["head_dim"] or tc.hidden_size // tc.num_attention_heads

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers import PreTrainedModel
 
 from draftadapt.capture.hidden import TargetCapture
 from draftadapt.drafts.eagle3 import Eagle3Head
@@ -213,7 +214,12 @@ def method_for(what: str | nn.Module | DraftMethod) -> DraftMethod:
             return DRAFT_LM
         raise DraftFormatError(f"unknown draft method {what!r}; use one of {', '.join(METHODS)}")
     inner = getattr(what, "module", what)  # DDP / DeepSpeed keep the model at .module
-    return EAGLE3 if isinstance(inner, (Eagle3Head, Eagle3TTT)) else DRAFT_LM
+    if isinstance(inner, (Eagle3Head, Eagle3TTT)):
+        return EAGLE3
+    if isinstance(inner, (PreTrainedModel, DraftLMForward)):
+        return DRAFT_LM
+    raise TypeError(f"no draft method for a {type(what).__name__}; pass an Eagle3Head, an HF draft LM, "
+                    f"one of them wrapped for training, or a method name ({', '.join(METHODS)})")
 
 
 def method_of_format(fmt: str) -> DraftMethod:

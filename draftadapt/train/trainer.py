@@ -31,6 +31,7 @@ from draftadapt.drafts.methods import DraftMethod, method_for
 from draftadapt.metrics.acceptance import AcceptanceStats, simulate_acceptance
 from draftadapt.tensors import all_finite
 from draftadapt.train import losses
+from draftadapt.train.forward import DraftLMForward, Eagle3TTT
 
 STATE_FILE = "trainer_state.json"
 
@@ -400,8 +401,14 @@ def _torch_optimizer(opt) -> torch.optim.Optimizer:
 
 def score_draft(draft: nn.Module, batches: Iterable[CapturedBatch], k: int) -> tuple[AcceptanceStats, AcceptanceStats]:
     """Simulated acceptance of a bare draft (Eagle3Head or HF draft LM) on captured held-out
-    data, on this process only. Returns (visited-starts stats, every-start stats), both summed."""
+    data, on this process only. Returns (visited-starts stats, every-start stats), both summed.
+
+    The draft is always scored through a fresh default wrapper (data tokens fed along the
+    unroll, as on vLLM's accepted path), so a candidate and the live draft are scored alike
+    whatever ``train.ttt_feed`` the trainer's own wrapper uses."""
     method = method_for(draft)
+    if isinstance(draft, (Eagle3TTT, DraftLMForward)):
+        draft = method.unwrap(draft)  # a module wrapped for training: score the draft inside it
     return _score(method, method.wrap(draft, k), batches, k, method.vocab_ids(draft))
 
 

@@ -57,3 +57,40 @@ def test_a_draft_of_the_other_method_is_refused_with_the_fix(drafts):
         check_serves(EAGLE3, lm_dir, "hf", "start it with method='{method}'")
     with pytest.raises(ConfigError, match="is an Eagle-3 head; set adapter.method=eagle3"):
         check_serves(DRAFT_LM, head_dir, "eagle", "set adapter.method={method}", error=ConfigError)
+
+
+def test_anything_else_is_refused_by_name_and_a_wrapped_draft_scores_as_the_bare_one(drafts):
+    """method_for used to call any unknown object a draft LM; score_draft used to fail deep in
+    HF (or in the wrapper's type check) when handed the trainer's wrapped module."""
+    from draftadapt.capture.hidden import TargetCapture
+    from draftadapt.data.sequences import Sequence, collate
+    from draftadapt.train.trainer import score_draft
+    from transformers import AutoModelForCausalLM
+
+    target, head_dir, _ = drafts
+    with pytest.raises(TypeError, match="no draft method for a Linear"):
+        method_for(torch.nn.Linear(2, 2))
+    head = EAGLE3.load(head_dir, target).eval()
+    policy = AutoModelForCausalLM.from_pretrained(str(target)).eval()
+    capture = EAGLE3.target_capture(policy, head, 1.0)
+    g = torch.Generator().manual_seed(0)
+    seqs = [Sequence(torch.randint(3, 40, (5,), generator=g).tolist(), torch.randint(3, 40, (9,), generator=g).tolist())
+            for _ in range(4)]
+    batches = [capture.capture(collate(seqs, 0))]
+    bare = score_draft(head, batches, 3)[0]
+    wrapped = score_draft(EAGLE3.wrap(head, 3), batches, 3)[0]
+    assert bare.drafts > 0 and wrapped.drafts == bare.drafts
+    assert wrapped.length == pytest.approx(bare.length, abs=1e-12)
+
+
+def test_a_target_config_without_a_layer_size_is_refused_naming_it():
+    """HF's own decoder configs always carry the sizes; a custom model's config may not (it used
+    to build a head holding None and fail later, somewhere unrelated)."""
+    from types import SimpleNamespace
+
+    from draftadapt.drafts.eagle3 import init_from_target
+
+    cfg = SimpleNamespace(hidden_size=64, num_attention_heads=4, num_hidden_layers=4, vocab_size=50,
+                          max_position_embeddings=128, rms_norm_eps=1e-6, model_type="custom")
+    with pytest.raises(ValueError, match="the target's config has no intermediate_size"):
+        init_from_target(SimpleNamespace(config=cfg), None, None, None, 0)
