@@ -19,7 +19,9 @@ class UsageError(Exception):
 # Flags that set a field of the command's config dataclass (flag dest -> dotted field). The
 # dataclass holds the default and the check; a flag left out leaves the field at its default.
 DEMO_FLAGS = {"out": "out", "steps": "grpo.steps", "seed": "seed", "toy": "toy"}
-EVAL_FLAGS = {name: name for name in ("target", "draft", "k", "temperature", "num_prompts", "max_tokens", "seed")}
+EVAL_FLAGS = {**{name: name for name in ("target", "draft", "k", "temperature", "num_prompts", "max_tokens", "seed",
+                                         "ks", "batch_sizes", "measure")},
+              "repeats": "table_repeats"}
 
 
 def field_overrides(args: argparse.Namespace, flags: dict[str, str]) -> list[str]:
@@ -96,6 +98,12 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--num-prompts", type=int)
     ev.add_argument("--max-tokens", type=int)
     ev.add_argument("--seed", type=int)
+    ev.add_argument("--ks", help="the k table: draft lengths, comma-separated, with 0 (no speculation), "
+                    "e.g. 0,1,2,3,4,5")
+    ev.add_argument("--batch-sizes", help="the k table's batch sizes, comma-separated, e.g. 8,32,128")
+    ev.add_argument("--measure", choices=["all", "fit"],
+                    help="k table: start an engine for every k (default) or only for the three the model is fitted on")
+    ev.add_argument("--repeats", type=int, help="k table: generations per (k, batch size); the fastest counts")
     ev.add_argument("--json", action="store_true", help="print only the JSON object")
 
     car = sub.add_parser("sidecar", help="train drafts from a spool directory beside an RL run")

@@ -1,6 +1,7 @@
 """Acceptance of a draft, measured in vLLM and simulated offline, and what it buys in speed.
 
     draftadapt eval --target DIR --draft DIR [--k 3] [--temperature 1.0] [--num-prompts 64] [--json]
+    draftadapt eval --target DIR --draft DIR --ks 0,1,2,3,4,5 --batch-sizes 8,32,128 [--json]
 
 Starts the engine with the draft, generates one response per held-out prompt (the target's
 ``heldout.jsonl``; the toy's prompts otherwise) and reads vLLM's speculative-decoding counters;
@@ -10,6 +11,12 @@ simulates the acceptance of the draft on them (``metrics.acceptance``). Prints o
 ``acceptance_length_measured``, ``acceptance_length_simulated``, ``per_position_acceptance``,
 ``per_position_acceptance_simulated``, ``tokens_per_s_spec``, ``tokens_per_s_plain``, ``speedup``
 and the time per engine step with and without speculation.
+
+With ``--ks``, the k table instead (:func:`k_table`): tokens/s and acceptance length for every
+draft length k (0 = no speculation) at every batch size, measured with one engine per k, and the
+k the step-cost model of ``metrics.kcost`` chooses per batch size from three of those engines
+(0, the smallest and the largest k). Prints ``{"table": [{"k", "batch_size", "tokens_per_s",
+"acceptance_length", ...predicted...}], "choice": {"<batch_size>": k}, ...}``.
 """
 
 from __future__ import annotations
@@ -19,15 +26,26 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from draftadapt.config import ConfigError, load_config
 from draftadapt.drafts.formats import DraftFormatError
 from draftadapt.drafts.methods import method_of_dir
+from draftadapt.metrics.acceptance import AcceptanceStats
+from draftadapt.metrics.kcost import (
+    acceptance_length_at,
+    choose_k,
+    fit_ks,
+    fit_step_costs,
+    predicted_tokens_per_s,
+    step_cost,
+    step_seconds,
+)
+from draftadapt.progress import progress
 
 GREEDY_EPS = 1e-4  # temperature 0 is greedy: capture at a tiny temperature (one-hot target)
 
@@ -43,10 +61,26 @@ class EvaluateConfig:
     num_prompts: int = 64  # held-out prompts, one response each
     max_tokens: int = 96  # response budget
     seed: int = 0  # sampling seed (and the toy prompts' when the target has no heldout.jsonl)
+    # The k table (set ks to get it instead of the one-k eval; k is then unused):
+    ks: list[int] = field(default_factory=list)  # draft lengths to tabulate; must hold 0 (no speculation)
+    batch_sizes: list[int] = field(default_factory=list)  # sequences per generate (the first batch_size prompts)
+    measure: Literal["all", "fit"] = "all"  # engines to start: every k (checks the prediction) or only the fitted ones
+    table_repeats: int = 5  # generations per (k, batch size), the fastest counts (3 left 5-10% noise at 32 sequences)
 
     def validate(self) -> None:
         if not self.target or not self.draft:
             raise ConfigError("eval needs target and draft: pass --target DIR --draft DIR")
+        if self.batch_sizes and not self.ks:
+            raise ConfigError("eval: --batch-sizes is for the k table; pass --ks too (e.g. --ks 0,1,2,3)")
+        if self.ks:
+            if 0 not in self.ks or max(self.ks) < 1 or min(self.ks) < 0:
+                raise ConfigError(f"eval: ks {self.ks} must hold 0 (the plain step anchors the cost model and "
+                                  "is what speculation has to beat) and at least one k >= 1, none negative")
+            if not self.batch_sizes or min(self.batch_sizes) < 1:
+                raise ConfigError(f"eval: the k table needs batch sizes >= 1 (got {self.batch_sizes}); "
+                                  "pass --batch-sizes 8,32,128")
+            if self.table_repeats < 1:
+                raise ConfigError(f"eval: table_repeats must be >= 1 (got {self.table_repeats}); pass --repeats 3")
         if self.k < 1 or self.temperature < 0 or self.num_prompts < 1 or self.max_tokens < 1:
             raise ConfigError(f"eval: k >= 1, temperature >= 0, num_prompts >= 1 and max_tokens >= 1 "
                               f"(got {self.k}, {self.temperature}, {self.num_prompts}, {self.max_tokens})")
@@ -67,17 +101,23 @@ def eval_prompts(target: str | Path, num: int, seed: int) -> list[str]:
     return [p["prompt"] for p in sample_problems(num, seed + 7_777_777)]
 
 
-def _run_engine(target: Path, draft: Path | None, method: str, k: int, prompts: list[str], temperature: float,
-                max_tokens: int, seed: int, repeats: int, threads: int | None):
-    """Start an engine, warm it up, generate ``repeats`` times; the fastest run counts for speed."""
+def _run_engine(target: Path, draft: Path | None, method: str, k: int, batches: list[list[str]],
+                temperature: float, max_tokens: int, seed: int, repeats: int, threads: int | None):
+    """Start an engine, warm it up, generate each batch of prompts ``repeats`` times (rounds over
+    the batches, so a slow spell of a busy machine does not land on one batch size); returns the
+    runs per batch. The fastest run counts for speed."""
     from draftadapt.engine.rollout import RolloutEngine
 
     engine = RolloutEngine(target, draft, method=method, num_speculative_tokens=k, max_model_len=256,
-                           max_num_seqs=max(len(prompts), 1), kv_cache_gib=1, seed=seed, threads=threads)
+                           max_num_seqs=max(max(len(p) for p in batches), 1), kv_cache_gib=1, seed=seed,
+                           threads=threads)
+    runs: list[list] = [[] for _ in batches]
     try:
-        engine.generate(prompts[: min(8, len(prompts))], temperature=temperature, max_tokens=8, seed=seed)
-        runs = [engine.generate(prompts, temperature=temperature, max_tokens=max_tokens, seed=seed)
-                for _ in range(max(1, repeats))]
+        first = batches[0]
+        engine.generate(first[: min(8, len(first))], temperature=temperature, max_tokens=8, seed=seed)
+        for _ in range(max(1, repeats)):
+            for i, prompts in enumerate(batches):
+                runs[i].append(engine.generate(prompts, temperature=temperature, max_tokens=max_tokens, seed=seed))
     finally:
         engine.close()
         gc.collect()
@@ -107,17 +147,22 @@ def simulate_on_rollouts(target: Path, draft: Path, method: str, rollouts, k: in
     return score_draft(model, iter_captured(capture, batches), k)
 
 
+def _sum_stats(stats: list[AcceptanceStats]) -> AcceptanceStats:
+    total = AcceptanceStats()
+    for s in stats:
+        total = total + s
+    return total
+
+
 def evaluate(cfg: EvaluateConfig, repeats: int = 1, threads: int | None = None,
              prompts: list[str] | None = None) -> dict[str, Any]:
     target, draft = Path(cfg.target), Path(cfg.draft)
     k, temperature, num_prompts, max_tokens, seed = cfg.k, cfg.temperature, cfg.num_prompts, cfg.max_tokens, cfg.seed
     method = method_of_dir(draft).name
     prompts = prompts if prompts is not None else eval_prompts(target, num_prompts, seed)
-    spec_runs = _run_engine(target, draft, method, k, prompts, temperature, max_tokens, seed, repeats, threads)
-    plain_runs = _run_engine(target, None, method, k, prompts, temperature, max_tokens, seed, repeats, threads)
-    spec = spec_runs[0].spec
-    for r in spec_runs[1:]:
-        spec = spec + r.spec
+    spec_runs = _run_engine(target, draft, method, k, [prompts], temperature, max_tokens, seed, repeats, threads)[0]
+    plain_runs = _run_engine(target, None, method, k, [prompts], temperature, max_tokens, seed, repeats, threads)[0]
+    spec = _sum_stats([r.spec for r in spec_runs])
     tps_spec = max(r.tokens_per_s for r in spec_runs)
     tps_plain = max(r.tokens_per_s for r in plain_runs)
     t0 = time.perf_counter()
@@ -156,19 +201,112 @@ def evaluate(cfg: EvaluateConfig, repeats: int = 1, threads: int | None = None,
     }
 
 
+def k_table(cfg: EvaluateConfig, threads: int | None = None) -> dict[str, Any]:
+    """tokens/s and acceptance length for each k in ``cfg.ks`` at each batch size, measured, and
+    the same predicted by the step-cost model fitted on three of the engines (``fit_ks``); the
+    choice per batch size is the argmax of the prediction (``metrics.kcost``, docs/design.md
+    "Choosing k"). Batch size b generates one response for each of the first b prompts (the
+    held-out prompts, reused in order if there are fewer than b)."""
+    target, draft = Path(cfg.target), Path(cfg.draft)
+    method = method_of_dir(draft).name
+    ks, bss = sorted(set(cfg.ks)), sorted(set(cfg.batch_sizes))
+    pool = eval_prompts(target, max(bss), cfg.seed)
+    prompts = [pool[i % len(pool)] for i in range(max(bss))]
+    fitted = fit_ks(ks)
+    run_ks = ks if cfg.measure == "all" else fitted
+    cells: dict[tuple[int, int], tuple[float, AcceptanceStats]] = {}
+    t0 = time.perf_counter()
+    bar = progress(total=len(run_ks), desc="k table (one engine per k)", unit="engine")
+    for k in run_ks:
+        runs = _run_engine(target, draft if k else None, method, max(k, 1), [prompts[:b] for b in bss],
+                           cfg.temperature, cfg.max_tokens, cfg.seed, cfg.table_repeats, threads)
+        for b, rs in zip(bss, runs):
+            cells[(k, b)] = (max(r.tokens_per_s for r in rs), _sum_stats([r.spec for r in rs]))
+        bar.update(1)
+    bar.close()
+
+    def measured_length(k: int, b: int) -> float:
+        return cells[(k, b)][1].length if k else 1.0
+
+    # acceptance for every k from the longest draft's per-position rates, pooled over batch sizes
+    k_max = max(ks)
+    rates = _sum_stats([cells[(k_max, b)][1] for b in bss]).per_position
+    model = fit_step_costs([(k, b, step_seconds(b, cells[(k, b)][0], measured_length(k, b)))
+                            for k in fitted for b in bss])
+    predicted = {(k, b): predicted_tokens_per_s(model, k, b, acceptance_length_at(rates, k)) for k in ks for b in bss}
+    rows = []
+    for k in ks:
+        for b in bss:
+            row = {"k": k, "batch_size": b, "tokens_per_s": None, "acceptance_length": None,
+                   "tokens_per_s_predicted": round(predicted[(k, b)], 1),
+                   "acceptance_length_predicted": round(acceptance_length_at(rates, k), 4),
+                   "step_ms": None, "step_ms_predicted": round(1e3 * step_cost(model, k, b), 3),
+                   "fitted": k in fitted}
+            if (k, b) in cells:
+                tps = cells[(k, b)][0]
+                row.update(tokens_per_s=round(tps, 1), acceptance_length=round(measured_length(k, b), 4),
+                           step_ms=round(1e3 * step_seconds(b, tps, measured_length(k, b)), 3))
+            rows.append(row)
+    choice = choose_k(predicted)
+    result: dict[str, Any] = {
+        "table": rows,
+        "choice": {str(b): k for b, k in choice.items()},
+        "method": method, "temperature": cfg.temperature, "max_tokens": cfg.max_tokens,
+        "fit_ks": fitted, "per_position_acceptance": [round(x, 4) for x in rates],
+        "cost_model": model.to_dict(),
+    }
+    if cfg.measure == "all":
+        measured = {kb: v[0] for kb, v in cells.items()}
+        best = choose_k(measured)
+        result["best_measured"] = {str(b): k for b, k in best.items()}
+        # what the choice leaves on the table: its measured tokens/s over the best k's
+        result["choice_vs_best"] = {str(b): round(measured[(choice[b], b)] / measured[(best[b], b)], 4) for b in bss}
+    result["seconds"] = round(time.perf_counter() - t0, 1)
+    return result
+
+
+def k_table_lines(result: dict[str, Any]) -> list[str]:
+    """The k table for a person: one line per k, measured / predicted tokens/s per batch size."""
+    bss = sorted({r["batch_size"] for r in result["table"]})
+    head = "k  accept(meas/pred)  " + "  ".join(f"b={b}: tok/s meas / pred" for b in bss)
+    lines = [head]
+    for k in sorted({r["k"] for r in result["table"]}):
+        cells = {r["batch_size"]: r for r in result["table"] if r["k"] == k}
+        acc = cells[bss[0]]
+        meas_acc = [cells[b]["acceptance_length"] for b in bss if cells[b]["acceptance_length"] is not None]
+        acc_meas = f"{sum(meas_acc) / len(meas_acc):.3f}" if meas_acc else "-"
+        acc_txt = f"{acc_meas} / {acc['acceptance_length_predicted']:.3f}"
+        parts = []
+        for b in bss:
+            c = cells[b]
+            mark = "*" if result["choice"].get(str(b)) == k else " "
+            meas = f"{c['tokens_per_s']:.0f}" if c["tokens_per_s"] is not None else "-"
+            parts.append(f"{mark}{meas:>6} / {c['tokens_per_s_predicted']:.0f}".ljust(len(f"b={b}: tok/s meas / pred")))
+        lines.append(f"{k}  {acc_txt:<17}  " + "  ".join(parts) + ("  (fitted)" if acc["fitted"] else ""))
+    lines.append("chosen k (*, from the prediction): " + ", ".join(f"b={b}: {k}" for b, k in result["choice"].items()))
+    if "best_measured" in result:
+        lines.append("best measured k: " + ", ".join(
+            f"b={b}: {k} (chosen gives {result['choice_vs_best'][b]:.3f}x its tokens/s)"
+            for b, k in result["best_measured"].items()))
+    return lines
+
+
 def eval_cli(overrides: list[str], json_only: bool) -> int:
     """``draftadapt eval``: ``overrides`` are EvaluateConfig's ``key=value`` (from the flags)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     cfg = load_config(EvaluateConfig, None, overrides)
     try:
-        result = evaluate(cfg)
+        result = k_table(cfg) if cfg.ks else evaluate(cfg)
     except (DraftFormatError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if not json_only:
+    if cfg.ks:
+        if not json_only:
+            print("\n".join(k_table_lines(result)), file=sys.stderr)
+    elif not json_only:
         print(f"acceptance length: measured {result['acceptance_length_measured']:.3f}, simulated "
               f"{result['acceptance_length_simulated']:.3f} (k={cfg.k}, T={cfg.temperature}); speedup "
-              f"{result['speedup']:.2f}x ({result['tokens_per_s_plain']:.0f} -> {result['tokens_per_s_spec']:.0f} tokens/s)",
-              file=sys.stderr)
+              f"{result['speedup']:.2f}x ({result['tokens_per_s_plain']:.0f} -> {result['tokens_per_s_spec']:.0f} "
+              "tokens/s)", file=sys.stderr)
     print(json.dumps(result), flush=True)
     return 0

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from draftadapt.cli import DEMO_FLAGS, EVAL_FLAGS, _parser, field_overrides, main
-from draftadapt.config import load_config
+from draftadapt.config import ConfigError, load_config
 from draftadapt.evaluate import EvaluateConfig
 from draftadapt.toy.grpo import DemoConfig
 
@@ -32,6 +32,27 @@ def test_eval_flags_are_evaluateconfig_fields():
                                  "--num-prompts", "8", "--max-tokens", "32", "--seed", "1"])
     cfg = load_config(EvaluateConfig, None, field_overrides(args, EVAL_FLAGS))
     assert (cfg.k, cfg.temperature, cfg.num_prompts, cfg.max_tokens, cfg.seed) == (5, 0.0, 8, 32, 1)
+
+
+def test_eval_k_table_flags_are_evaluateconfig_fields():
+    args = _parser().parse_args(["eval", "--target", "t", "--draft", "d", "--ks", "0,1,2,3,4,5",
+                                 "--batch-sizes", "8,32,128", "--measure", "fit", "--repeats", "2"])
+    cfg = load_config(EvaluateConfig, None, field_overrides(args, EVAL_FLAGS))
+    assert (cfg.ks, cfg.batch_sizes, cfg.measure, cfg.table_repeats) == ([0, 1, 2, 3, 4, 5], [8, 32, 128], "fit", 2)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["ks=1,2"], "must hold 0"),
+    (["ks=0"], "at least one k >= 1"),
+    (["ks=0,2"], "needs batch sizes >= 1"),
+    (["ks=0,2", "batch_sizes=0,8"], "needs batch sizes >= 1"),
+    (["batch_sizes=8"], "pass --ks too"),
+    (["ks=0,2", "batch_sizes=8", "table_repeats=0"], "table_repeats must be >= 1"),
+    (["ks=0,2", "batch_sizes=8", "measure=some"], "is not one of"),
+])
+def test_eval_k_table_config_errors_name_the_fix(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(EvaluateConfig, None, ["target=t", "draft=d", *overrides])
 
 
 @pytest.mark.parametrize("argv,message", [

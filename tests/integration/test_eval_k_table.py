@@ -1,0 +1,56 @@
+"""`draftadapt eval --ks ... --batch-sizes ...`: the k table, measured with real engines, and the
+k chosen per batch size from the fitted step-cost model (draftadapt/metrics/kcost.py).
+
+Small on purpose (two engines, 4 and 8 prompts, 32 tokens, one generation per cell): this checks
+the path and the JSON, not the speed; the README's table is the measurement.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from draftadapt.drafts.init import init_draft
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_k_table_prints_the_table_and_the_argmax_of_the_prediction(toy_target, tmp_path):
+    # an untrained head: acceptance near 1, which is what makes speculation lose and k = 0 win;
+    # the path is the same for a trained one
+    draft = init_draft(toy_target, "eagle3", tmp_path / "head", seed=0)
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "draftadapt.cli", "eval", "--target", str(toy_target), "--draft", str(draft),
+         "--ks", "0,2", "--batch-sizes", "4,8", "--max-tokens", "32", "--repeats", "1", "--temperature", "1.0"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert "chosen k (*, from the prediction)" in proc.stderr  # the table for a person, without --json
+    result = json.loads([line for line in proc.stdout.splitlines() if line.strip()][-1])
+    print(json.dumps(result))
+    rows = {(r["k"], r["batch_size"]): r for r in result["table"]}
+    assert set(rows) == {(0, 4), (2, 4), (0, 8), (2, 8)}
+    for r in rows.values():
+        assert {"k", "batch_size", "tokens_per_s", "acceptance_length"} <= set(r)
+        assert r["tokens_per_s"] > 0 and r["fitted"]
+    assert rows[(0, 4)]["acceptance_length"] == 1.0 and 1.0 <= rows[(2, 8)]["acceptance_length"] <= 3.0
+    pos = result["per_position_acceptance"]
+    assert len(pos) == 2 and rows[(2, 4)]["acceptance_length_predicted"] == pytest.approx(1.0 + sum(pos), abs=1e-3)
+    # the choice is the argmax of the predicted tokens/s, per batch size
+    assert set(result["choice"]) == {"4", "8"}
+    for b in (4, 8):
+        assert result["choice"][str(b)] == max((0, 2), key=lambda k: (rows[(k, b)]["tokens_per_s_predicted"], -k))
+    # every k here is a fitted one: the step cost is exact where measured, so the prediction
+    # differs from the measurement only by the acceptance (pooled over batch sizes vs this cell's)
+    for (k, b), r in rows.items():
+        ratio = r["tokens_per_s_predicted"] / r["tokens_per_s"]
+        assert ratio == pytest.approx(r["acceptance_length_predicted"] / r["acceptance_length"], rel=2e-3), r
+    assert set(result["best_measured"]) == {"4", "8"} and all(0 < v <= 1.0 for v in result["choice_vs_best"].values())
