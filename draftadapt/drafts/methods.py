@@ -81,16 +81,13 @@ class Eagle3Method:
 
     # ------------------------------------------------------------------ what it learns from
 
-    def aux_layer_ids(self, draft: Eagle3Head) -> list[int] | None:
-        return list(draft.cfg.aux_layer_ids)
-
     def vocab_ids(self, draft: Eagle3Head) -> torch.Tensor:
         """[Vd] target id of each draft id."""
         return draft_to_target_ids(draft.d2t.cpu())
 
     def target_capture(self, policy: nn.Module, draft: Eagle3Head, temperature: float) -> TargetCapture:
         """What the policy's forward must give this draft: its aux layers and its vocabulary's log-probs."""
-        return TargetCapture(policy, self.aux_layer_ids(draft), self.vocab_ids(draft), temperature=temperature)
+        return TargetCapture(policy, list(draft.cfg.aux_layer_ids), self.vocab_ids(draft), temperature=temperature)
 
     def refresh_shared(self, draft: Eagle3Head, policy: nn.Module) -> None:
         """A head that shares the target's embed_tokens sees the policy's current ones (as in vLLM)."""
@@ -169,9 +166,6 @@ class DraftLMMethod:
         # vLLM sizes the draft model's own KV cache from it
         return {"method": self.name, "model": str(draft_dir), "num_speculative_tokens": k,
                 "max_model_len": max_model_len}
-
-    def aux_layer_ids(self, draft: nn.Module) -> list[int] | None:
-        return None  # it runs on tokens alone
 
     def vocab_ids(self, draft: nn.Module) -> torch.Tensor:
         return torch.arange(draft.config.vocab_size)  # the target's vocabulary
