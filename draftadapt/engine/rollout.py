@@ -201,6 +201,10 @@ class RolloutEngine:
             env["OMP_NUM_THREADS"] = str(threads)
         saved = dict(os.environ)  # vLLM's in-process start-up sets more of its own; all are put back
         threads_before = torch.get_num_threads()
+        # vLLM's CPU worker replaces torch.set_num_threads, process-wide, with a no-op that warns
+        # (it binds its OpenMP threads in its own processes); in this process that would silently
+        # pin every later thread count, the host's included. Put back after start-up.
+        set_num_threads = torch.set_num_threads
         os.environ.update(env)
         from vllm import LLM, envs
 
@@ -227,12 +231,13 @@ class RolloutEngine:
                 **({} if block_size is None else {"block_size": block_size}),
             )
         finally:
+            torch.set_num_threads = set_num_threads
             for k in set(os.environ) - set(saved):
                 del os.environ[k]
             os.environ.update(saved)
             envs.disable_envs_cache()
-        # vLLM lowers this process's torch threads to 1 when its worker starts here: the count is
-        # the caller's explicit ``threads`` for an in-process engine, else what it was before.
+        # The process's torch threads after start-up: the caller's explicit ``threads`` for an
+        # in-process engine, else what they were before.
         torch.set_num_threads(threads if in_process and threads is not None else threads_before)
         self.in_process = in_process
         if in_process:

@@ -22,16 +22,21 @@ import random
 import signal
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from draftadapt.adapter import AdapterConfig, DraftAdapter, ScheduleConfig, ValidateConfig
 from draftadapt.config import ConfigError, load_config, save_config
 from draftadapt.data.sequences import Sequence, collate
+from draftadapt.drafts.formats import META_FILE
+from draftadapt.engine.remote import EngineProcess
 from draftadapt.engine.rollout import DraftSwapError, RolloutEngine
 from draftadapt.metrics.logger import make_logger
+from draftadapt.train.trainer import torch_threads
 from draftadapt.toy import PRETRAIN_RECIPE, task
 
 
@@ -118,9 +123,33 @@ class DemoConfig:
     # policy update (DraftAdapter.start_step / finish_step) instead of between steps. It is swapped
     # in one step later; what it costs is the slower generation and update plus any wait for it.
     adapter_background: bool = False
+    # Asynchronous RL (docs/design.md, "Asynchronous RL"): 0 = the synchronous loop; L >= 1 =
+    # the rollouts of step t+L are generated in a background thread while step t trains, so the
+    # trainer learns from rollouts of a policy L versions older than its own and the adapter's
+    # round runs beside the generation too.
+    async_lag: int = 0
+    # torch threads of each of the two jobs that run at once in async mode (the generation; the
+    # policy update and the adapter): together no more than the cores, or their OpenMP threads
+    # spin against each other (5-7x slower here). The arms are measured with engine_threads.
+    async_threads: int = 1
+    # a finished synchronous run (async_lag=0, spec=true) on the same world: an async run's summary
+    # sets its step time beside its own
+    sync: str | None = None
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     adapter: AdapterConfig = field(default_factory=toy_adapter)
+
+    def validate(self) -> None:
+        if self.async_lag < 0:
+            raise ConfigError(f"async_lag={self.async_lag}: give 0 (synchronous) or the number of policy versions "
+                              "the rollouts may lag the trainer by (>= 1)")
+        if self.async_lag and self.adapter_background:
+            raise ConfigError("async_lag already runs the adapter's round beside the generation; drop "
+                              "adapter_background=true")
+        if self.async_threads < 1:
+            raise ConfigError(f"async_threads={self.async_threads}: give at least 1 torch thread per job")
+        if self.sync and not self.async_lag:
+            raise ConfigError("sync= compares an asynchronous run with a synchronous one: set async_lag=1 too")
 
 
 def token_logprobs(model, batch: dict, handover=None, index=None) -> torch.Tensor:
@@ -142,10 +171,12 @@ def kl_to_reference(lp: torch.Tensor, ref_lp: torch.Tensor, mask: torch.Tensor) 
 
 
 def grpo_update(policy, reference, opt, problems, rollouts, cfg: GRPOConfig, pad_id: int, step: int,
-                handover=None) -> dict:
+                handover=None, threads=None) -> dict:
     """One on-policy GRPO step: group-normalised advantages, REINFORCE on the sampled tokens
     (length-normalised per sequence), plus a per-token KL penalty to the initial policy.
-    ``handover``: draftadapt's HandOver, fed from this update's own forward (no second pass)."""
+    ``handover``: draftadapt's HandOver, fed from this update's own forward (no second pass).
+    ``threads``: called before each micro-batch for the torch threads to run it with (the
+    asynchronous loop takes the generation's core once it is done)."""
     rewards = []
     for prob, r in zip(problems, rollouts):
         rew = task.reward(prob, r.text)
@@ -167,6 +198,8 @@ def grpo_update(policy, reference, opt, problems, rollouts, cfg: GRPOConfig, pad
     order = sorted(range(n), key=lambda i: len(seqs[i].ids))
     pg_sum = kl_sum = 0.0
     for lo in range(0, n, cfg.micro_batch):
+        if threads is not None:
+            torch.set_num_threads(threads())
         idx = order[lo: lo + cfg.micro_batch]
         batch = collate([seqs[i] for i in idx], pad_id)
         mask = batch["loss_mask"][:, :-1].float()  # slots whose next token is a response token
@@ -244,12 +277,74 @@ def measure_draft(spec: RolloutEngine, draft: Path, prompts: list[str], cfg: Dem
         spec.swap_draft(live)
 
 
+@dataclass
+class Run:
+    """What the steps of one demo run share: the RL run's parts, draftadapt's, and the records."""
+    cfg: DemoConfig
+    policy: Any
+    reference: Any  # the initial policy, for the KL term
+    opt: torch.optim.Optimizer
+    pad_id: int
+    logger: Any
+    adapter: DraftAdapter | None
+    spec: RolloutEngine | None  # with speculation: the engine the RL step generates with
+    plain: RolloutEngine  # no speculation: the measurement arm (with spec) or the RL engine
+    draft0: Path  # the frozen pretrained draft (an arm)
+    eval_prompts: list[str]
+    spool: Any
+    rng: random.Random
+    history: list[dict]
+    arms: dict[str, list[dict]]
+
+
+def record_step(r: Run, row: dict, step: int, version: int, problems: list[dict]):
+    """After a step: the arms on the held-out prompts with the engines at policy ``version``
+    (outside the RL step's time), the row logged and printed. Returns the arms at the RL batch on
+    the last step (``rl_batch_arms``), else None."""
+    cfg, spec, plain, adapter = r.cfg, r.spec, r.plain, r.adapter
+    t_measure = time.perf_counter()
+    rl_batch = None
+    if spec is not None:
+        m_plain, m_frozen, m_adapted = measure_arms(plain, spec, r.draft0, r.eval_prompts, cfg, step)
+        for name, m in (("plain", m_plain), ("frozen", m_frozen), ("adapted", m_adapted)):
+            r.arms[name].append(m)
+        row.update({
+            "accept/length": m_adapted["acceptance_length"],
+            "accept/frozen_length": m_frozen["acceptance_length"],
+            **{f"accept/pos_{i}": x for i, x in enumerate(m_adapted["per_position"])},
+            "tps/plain": m_plain["tokens_per_s"], "tps/frozen": m_frozen["tokens_per_s"],
+            "tps/adapted": m_adapted["tokens_per_s"],
+            "draft/age_policy_versions": float(version - adapter.store.latest().policy_version),
+        })
+        if step == cfg.grpo.steps - 1 and cfg.rl_batch_arms:
+            rl_batch = measure_arms(plain, spec, r.draft0, [p["prompt"] for p in problems], cfg, step,
+                                    max_tokens=cfg.grpo.max_tokens)
+    else:
+        m_plain = measure(plain, r.eval_prompts, cfg)
+        r.arms["plain"].append(m_plain)
+        row["tps/plain"] = m_plain["tokens_per_s"]
+    row["stage/measure_s"] = row.get("stage/measure_s", 0.0) + time.perf_counter() - t_measure
+    r.logger.log_dict({k: v for k, v in row.items() if isinstance(v, float)}, step=version)
+    r.history.append(row)
+    accept = (f"accept frozen {row['accept/frozen_length']:.2f} adapted {row['accept/length']:.2f} | "
+              if spec is not None else "no speculation | ")
+    gen = (f"gen {row['stage/gen_s']:.1f} exposed {row['stage/exposed_gen_s']:.1f}" if cfg.async_lag
+           else f"gen {row['stage/gen_s']:.1f}")
+    print(f"[demo] step {step + 1:3d}/{cfg.grpo.steps} reward {row['rl/reward']:.3f} "
+          f"acc {row['rl/accuracy']:.2f} style {row['rl/style_frac']:.2f} | {accept}"
+          f"RL step {row['stage/rl_step_s']:.1f} s ({gen} train "
+          f"{row['stage/train_s']:.1f} adapt {row['stage/adapt_s']:.2f})"
+          + (f" | draft v{int(row['draft/version'])}" if spec is not None else ""), flush=True)
+    return rl_batch
+
+
 def run(cfg: DemoConfig) -> dict:
     t_run = time.perf_counter()
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     save_config(cfg, out / "config.yaml")
     baseline = load_baseline(cfg.baseline) if cfg.baseline else None
+    sync = load_sync(cfg.sync) if cfg.sync else None
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
     toy, draft0 = prepare_world(cfg, out)
@@ -264,11 +359,14 @@ def run(cfg: DemoConfig) -> dict:
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg.grpo.lr, betas=(0.9, 0.99))
     logger = make_logger(["tensorboard", "jsonl"], out)
     adapter = spec = None
+    # asynchronous: the RL engine in a child process, so generating beside the trainer does not
+    # contend for this interpreter's lock (docs/design.md, "Asynchronous RL")
+    rl_engine = EngineProcess if cfg.async_lag else RolloutEngine
     if cfg.spec:
         adapter = DraftAdapter(toy, draft0, out / "drafts", cfg.adapter)  # its metrics land in our row
-        spec = RolloutEngine(toy, draft0, method="eagle3", num_speculative_tokens=cfg.k,
-                             threads=cfg.engine_threads, seed=cfg.seed)
-    plain = RolloutEngine(toy, None, threads=cfg.engine_threads, seed=cfg.seed)
+        spec = rl_engine(toy, draft0, method="eagle3", num_speculative_tokens=cfg.k,
+                         threads=cfg.engine_threads, seed=cfg.seed)
+    plain = (RolloutEngine if cfg.spec else rl_engine)(toy, None, threads=cfg.engine_threads, seed=cfg.seed)
     rollout_engine = spec or plain  # what the RL step generates with
     eval_prompts = [p["prompt"] for p in task.load_heldout(toy)[: cfg.eval.prompts]]
     spool = None
@@ -283,11 +381,13 @@ def run(cfg: DemoConfig) -> dict:
     history: list[dict] = []
     arms = {"plain": [], "frozen": [], "adapted": []} if cfg.spec else {"plain": []}
     rl_batch = None
+    r = Run(cfg, policy, reference, opt, pad_id, logger, adapter, spec, plain, draft0, eval_prompts, spool, rng,
+            history, arms)
     t_start = time.perf_counter()
     round_due = False  # adapter_background: a round to start before the next generation
 
     try:
-        for step in range(cfg.grpo.steps):
+        for step in range(0 if cfg.async_lag else cfg.grpo.steps):
             row: dict = {"step": step}
             # 1. rollouts (with spec: from the live adapted draft; speculation changes nothing they contain)
             problems = [p for p in task.sample_problems(cfg.grpo.prompts_per_step, rng.randrange(1 << 30))
@@ -298,7 +398,7 @@ def run(cfg: DemoConfig) -> dict:
             t0 = time.perf_counter()
             gen = rollout_engine.generate([p["prompt"] for p in problems], temperature=cfg.grpo.temperature,
                                           max_tokens=cfg.grpo.max_tokens, seed=rng.randrange(1 << 30))
-            row["stage/gen_s"] = time.perf_counter() - t0
+            row["stage/gen_s"] = row["stage/exposed_gen_s"] = time.perf_counter() - t0
             row["tps/rl_batch"] = gen.tokens_per_s
             if adapter is not None and gen.spec.drafts:
                 # what the engine measured for the live draft on the RL batch itself: free, and
@@ -348,37 +448,9 @@ def run(cfg: DemoConfig) -> dict:
                 row["stage/adapt_s"] = 0.0
             row["stage/rl_step_s"] = row["stage/gen_s"] + row["stage/train_s"] + row["stage/adapt_s"]
             # 4. the arms on the same prompts, same policy (outside the RL step's time)
-            t_measure = time.perf_counter()
-            last = step == cfg.grpo.steps - 1
-            if spec is not None:
-                m_plain, m_frozen, m_adapted = measure_arms(plain, spec, draft0, eval_prompts, cfg, step)
-                for name, m in (("plain", m_plain), ("frozen", m_frozen), ("adapted", m_adapted)):
-                    arms[name].append(m)
-                row.update({
-                    "accept/length": m_adapted["acceptance_length"],
-                    "accept/frozen_length": m_frozen["acceptance_length"],
-                    **{f"accept/pos_{i}": r for i, r in enumerate(m_adapted["per_position"])},
-                    "tps/plain": m_plain["tokens_per_s"], "tps/frozen": m_frozen["tokens_per_s"],
-                    "tps/adapted": m_adapted["tokens_per_s"],
-                    "draft/age_policy_versions": float(version - adapter.store.latest().policy_version),
-                })
-                if last and cfg.rl_batch_arms:
-                    rl_batch = measure_arms(plain, spec, draft0, [p["prompt"] for p in problems], cfg, step,
-                                            max_tokens=cfg.grpo.max_tokens)
-            else:
-                m_plain = measure(plain, eval_prompts, cfg)
-                arms["plain"].append(m_plain)
-                row["tps/plain"] = m_plain["tokens_per_s"]
-            row["stage/measure_s"] += time.perf_counter() - t_measure
-            logger.log_dict({k: v for k, v in row.items() if isinstance(v, float)}, step=version)
-            history.append(row)
-            accept = (f"accept frozen {row['accept/frozen_length']:.2f} adapted {row['accept/length']:.2f} | "
-                      if spec is not None else "no speculation | ")
-            print(f"[demo] step {step + 1:3d}/{cfg.grpo.steps} reward {row['rl/reward']:.3f} "
-                  f"acc {row['rl/accuracy']:.2f} style {row['rl/style_frac']:.2f} | {accept}"
-                  f"RL step {row['stage/rl_step_s']:.1f} s (gen {row['stage/gen_s']:.1f} train "
-                  f"{row['stage/train_s']:.1f} adapt {row['stage/adapt_s']:.2f})"
-                  + (f" | draft v{int(row['draft/version'])}" if spec is not None else ""), flush=True)
+            rl_batch = record_step(r, row, step, version, problems) or rl_batch
+        if cfg.async_lag:
+            rl_batch = async_steps(r)
         loop_seconds = time.perf_counter() - t_start
         if spool is not None:
             spool.finish(steps=len(history))
@@ -392,7 +464,7 @@ def run(cfg: DemoConfig) -> dict:
                 engine.close()
         logger.close()
 
-    summary = summarize(cfg, history, arms, loop_seconds, fresh, rl_batch, baseline)
+    summary = summarize(cfg, history, arms, loop_seconds, fresh, rl_batch, baseline, sync)
     summary["total_seconds"] = time.perf_counter() - t_run  # world setup + RL loop + fresh reference
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     if spec is not None:
@@ -400,16 +472,143 @@ def run(cfg: DemoConfig) -> dict:
     return summary
 
 
+def async_steps(r: Run):
+    """The RL loop with the rollouts ``async_lag`` (L) steps ahead of the trainer (docs/design.md,
+    "Asynchronous RL"). Returns the arms at the RL batch of the last step (or None).
+
+    Step t trains on rollouts the engine sampled at policy v(t-L) (v0 for the first L steps)
+    while a background thread generates the rollouts of step t+L on the engine serving v(t).
+    The adapter's round runs beside that generation, in this thread, on the trainer's own forward
+    at v(t) (the hand-over): each candidate is trained and validated against v(t). At the step's
+    end (the boundary) the loop waits for the generation, loads v(t+1) into the engines and swaps
+    in the newest draft the engine may serve (DraftStore: never one trained on a newer policy),
+    so a new draft serves one version behind the engine, as in the synchronous loop.
+    """
+    cfg, adapter, engine = r.cfg, r.adapter, r.spec or r.plain
+    lag, steps = cfg.async_lag, cfg.grpo.steps
+    # the thread that waits for the engine process's generation (it holds no lock meanwhile)
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="demo-gen")
+    ready: dict[int, tuple[list[dict], Any, int]] = {}  # step -> (problems, GenerateResult, sampling version)
+    rl_batch = None
+
+    def launch(step: int, background: bool = True):
+        # the synchronous loop's draws, in its order: the same problems and seeds step by step
+        problems = [p for p in task.sample_problems(cfg.grpo.prompts_per_step, r.rng.randrange(1 << 30))
+                    for _ in range(cfg.grpo.group_size)]
+        args = ([p["prompt"] for p in problems],)
+        kwargs = dict(temperature=cfg.grpo.temperature, max_tokens=cfg.grpo.max_tokens, seed=r.rng.randrange(1 << 30))
+        if background:  # the engine's share of the cores, beside the trainer
+            engine.set_threads(cfg.async_threads)
+            future = pool.submit(engine.generate, *args, **kwargs)
+        else:  # nothing to overlap with: every core
+            engine.set_threads(cfg.engine_threads)
+            future = Future()
+            future.set_result(engine.generate(*args, **kwargs))
+        return step, problems, future, engine.policy_version
+
+    def collect(job) -> None:
+        step, problems, future, version = job
+        ready[step] = (problems, future.result(), version)
+
+    def threads_beside(job) -> int:
+        # the trainer's threads: its share while the generation runs, every core once it is done
+        return cfg.async_threads if job is not None and not job[2].done() else cfg.engine_threads
+
+    try:
+        t0 = time.perf_counter()
+        for step in range(min(lag, steps)):  # the pipeline fills: these generations are all exposed
+            collect(launch(step, background=False))
+        fill_s = time.perf_counter() - t0
+        for step in range(steps):
+            row: dict = {"step": step}
+            t_step = time.perf_counter()
+            problems, gen, sampled = ready.pop(step)
+            job = launch(step + lag) if step + lag < steps else None
+            # 1. the policy update, beside the generation; the trainer is at v(step)
+            t0 = time.perf_counter()
+            handover = adapter.handover(r.policy) if adapter is not None else contextlib.nullcontext()
+            with handover as ho:
+                row.update(grpo_update(r.policy, r.reference, r.opt, problems, gen.rollouts, cfg.grpo, r.pad_id,
+                                       step, ho, threads=lambda: threads_beside(job)))
+            version = step + 1
+            weights = {k: v.detach() for k, v in r.policy.state_dict().items()}
+            handover_s = ho.seconds if ho is not None else 0.0
+            row["stage/train_s"] = time.perf_counter() - t0 - handover_s
+            # 2. draftadapt's round, beside the generation: targets from v(step), the hand-over's
+            t0 = time.perf_counter()
+            torch.set_num_threads(threads_beside(job))
+            if adapter is not None:
+                if gen.spec.drafts:
+                    adapter.report_measured(gen.spec.length)
+                    row["accept/rl_batch_length"] = gen.spec.length
+                adapter.observe(gen.rollouts, policy_version=step, handover=ho)
+                adapter.update_policy(weights, version=version)
+                row.update(adapter.step())
+            adapt_s = time.perf_counter() - t0 + handover_s
+            # 3. the boundary: the generation done, v(step+1) into the engine, the newest draft it may serve
+            t0 = time.perf_counter()
+            if job is not None:
+                collect(job)
+            row["stage/exposed_gen_s"] = time.perf_counter() - t0 + (fill_s if step == 0 else 0.0)
+            row["stage/gen_s"] = ready[step + lag][1].seconds if job is not None else 0.0
+            engine.update_policy(weights, version=version)
+            if adapter is not None:
+                t0 = time.perf_counter()
+                row["draft/integrity_ok"] = float(adapter.check_integrity(engine))
+                swap = adapter.swap(engine)
+                if swap is not None:
+                    row["swap/ms"] = swap.ms
+                adapt_s += time.perf_counter() - t0
+                row["draft/version"] = float(engine.draft_version or 0)
+                row["draft/policy_version"] = float(served_policy_version(engine))
+            row["stage/adapt_s"] = adapt_s
+            row["stage/rl_step_s"] = time.perf_counter() - t_step + (fill_s if step == 0 else 0.0)
+            # the versions each side held this step (tests/integration/test_async.py checks them)
+            row.update({"async/rollout_version": float(sampled), "async/trainer_version": float(step),
+                        "async/engine_version": float(engine.policy_version)})
+            t_measure = time.perf_counter()
+            if r.spec is not None:
+                r.plain.update_policy(weights, version=version)  # the no-speculation arm only
+            if r.spool is not None:
+                r.spool.write_rollouts(step, sampled, [x.prompt_token_ids for x in gen.rollouts],
+                                       [x.token_ids for x in gen.rollouts])
+                r.spool.write_policy(version, weights, step=step)
+            row["stage/measure_s"] = time.perf_counter() - t_measure
+            # 4. the arms, with the generation idle and every core back
+            engine.set_threads(cfg.engine_threads)
+            with torch_threads(cfg.engine_threads):
+                rl_batch = record_step(r, row, step, version, problems) or rl_batch
+    finally:
+        pool.shutdown(wait=True)
+    return rl_batch
+
+
+def served_policy_version(engine: RolloutEngine) -> int:
+    """The policy version the engine's live draft was trained against (0: the starting draft)."""
+    meta = json.loads((engine.draft_dir / META_FILE).read_text())
+    return int(meta.get("policy_version") or 0)
+
+
 def load_baseline(path: str) -> dict:
-    """A finished ``spec=false`` run's end_to_end (checked before the run starts, not after)."""
+    """A finished ``spec=false`` run's summary (checked before the run starts, not after)."""
+    return load_finished(path, "baseline", lambda s: not s.get("spec", True),
+                         "run `draftadapt demo --out DIR spec=false` on the same world and seed")
+
+
+def load_sync(path: str) -> dict:
+    """A finished synchronous run's summary, to set beside an asynchronous one."""
+    return load_finished(path, "sync", lambda s: s.get("spec", True) and not s.get("async"),
+                         "run `draftadapt demo --out DIR` (async_lag=0) on the same world and seed")
+
+
+def load_finished(path: str, key: str, fits, how: str) -> dict:
     f = Path(path) / "summary.json"
     if not f.is_file():
-        raise ConfigError(f"baseline={path}: no summary.json there; pass the OUT of a finished "
-                          "`draftadapt demo spec=false` run")
+        raise ConfigError(f"{key}={path}: no summary.json there; pass the OUT of a finished run ({how})")
     s = json.loads(f.read_text())
-    if s.get("spec", True) or "end_to_end" not in s:
-        raise ConfigError(f"baseline={path} is not a spec=false run (its summary has spec={s.get('spec')}); "
-                          "run `draftadapt demo --out DIR spec=false` on the same world and seed")
+    if not fits(s) or "end_to_end" not in s:
+        raise ConfigError(f"{key}={path} is not the run it should be (spec={s.get('spec')}, "
+                          f"async={'async' in s}); {how}")
     return s
 
 
@@ -464,15 +663,19 @@ def throughput(ms: list[dict]) -> float:
 def end_to_end(history: list[dict]) -> dict:
     """Means per RL step of what the user's RL step pays (measurement arms excluded)."""
     n = max(1, len(history))
-    e = {key: sum(h[f"stage/{key}"] for h in history) / n for key in ("rl_step_s", "gen_s", "train_s", "adapt_s")}
+    e = {key: sum(h[f"stage/{key}"] for h in history) / n
+         for key in ("rl_step_s", "gen_s", "exposed_gen_s", "train_s", "adapt_s")}
     e["gen_share"] = e["gen_s"] / e["rl_step_s"] if e["rl_step_s"] > 0 else float("nan")
-    e["rl_step_without_adapter_s"] = e["gen_s"] + e["train_s"]
+    # in an asynchronous run the adapter shares the step with the generation: no sum leaves it out
+    asynchronous = any("async/engine_version" in h for h in history)
+    e["rl_step_without_adapter_s"] = None if asynchronous else e["gen_s"] + e["train_s"]
     e["adapt_share"] = e["adapt_s"] / e["rl_step_s"] if e["rl_step_s"] > 0 else float("nan")
     return e
 
 
 def summarize(cfg: DemoConfig, history: list[dict], arms: dict, seconds: float, fresh: dict | None = None,
-              rl_batch: tuple[dict, dict, dict] | None = None, baseline: dict | None = None) -> dict:
+              rl_batch: tuple[dict, dict, dict] | None = None, baseline: dict | None = None,
+              sync: dict | None = None) -> dict:
     n = len(history)
     last = max(1, n // 3)
 
@@ -509,9 +712,21 @@ def summarize(cfg: DemoConfig, history: list[dict], arms: dict, seconds: float, 
         s["vs_baseline"] = {
             "baseline_rl_step_s": b["rl_step_s"],
             "rl_step_speedup": b["rl_step_s"] / e["rl_step_s"],  # >= 1: the RL run is faster with draftadapt
-            "rl_step_speedup_without_adapter": b["rl_step_s"] / e["rl_step_without_adapter_s"],
             "gen_speedup": b["gen_s"] / e["gen_s"],
         }
+        if e["rl_step_without_adapter_s"] is not None:
+            s["vs_baseline"]["rl_step_speedup_without_adapter"] = b["rl_step_s"] / e["rl_step_without_adapter_s"]
+    if cfg.async_lag:
+        e = s["end_to_end"]
+        s["async"] = {"lag": cfg.async_lag, "threads_each": cfg.async_threads, "step_s": e["rl_step_s"],
+                      "exposed_gen_s": e["exposed_gen_s"], "gen_s": e["gen_s"],
+                      # the share of the generation hidden behind the policy update and the adapter
+                      "overlap": 1 - e["exposed_gen_s"] / e["gen_s"] if e["gen_s"] > 0 else float("nan")}
+        if sync is not None:
+            b = sync["end_to_end"]
+            s["async"]["sync"] = {"run": cfg.sync, "step_s": b["rl_step_s"], "exposed_gen_s": b["gen_s"],
+                                  "last_third": sync.get("last_third")}
+            s["async"]["speedup_over_sync"] = b["rl_step_s"] / e["rl_step_s"]
     if not cfg.spec:
         return s
     a, f, p = s["arms"]["adapted"], s["arms"]["frozen"], s["arms"]["plain"]
@@ -555,6 +770,8 @@ def demo_cli(overrides: list[str]) -> int:
     cfg = load_config(DemoConfig, None, overrides)
     if cfg.baseline:
         load_baseline(cfg.baseline)
+    if cfg.sync:
+        load_sync(cfg.sync)
     # SIGTERM (a scheduler's kill, `kill PID`) unwinds like Ctrl-C, so run()'s finally closes the
     # vLLM engines: otherwise their EngineCore/Worker processes outlive us and keep polling a core.
     import threading
@@ -572,6 +789,11 @@ def demo_cli(overrides: list[str]) -> int:
         line["rl_batch_adapted_over_plain_tokens_per_s"] = round(summary["rl_batch_arms"]["adapted_over_plain_tokens_per_s"], 3)
     if "vs_baseline" in summary:
         line.update({k: round(v, 3) for k, v in summary["vs_baseline"].items() if k != "baseline_rl_step_s"})
+    if "async" in summary:
+        a = summary["async"]
+        line["async"] = {k: round(a[k], 3) for k in ("lag", "exposed_gen_s", "step_s", "overlap")}
+        if "sync" in a:
+            line["async"].update(sync_step_s=round(a["sync"]["step_s"], 3), speedup_over_sync=round(a["speedup_over_sync"], 3))
     line["out"] = cfg.out
     print(json.dumps(line))
     return 0
