@@ -591,23 +591,23 @@ def served_policy_version(engine: RolloutEngine) -> int:
 
 def load_baseline(path: str) -> dict:
     """A finished ``spec=false`` run's summary (checked before the run starts, not after)."""
-    return load_finished(path, "baseline", lambda s: not s.get("spec", True),
+    return load_finished(path, "baseline", "a spec=false run", lambda s: not s.get("spec", True),
                          "run `draftadapt demo --out DIR spec=false` on the same world and seed")
 
 
 def load_sync(path: str) -> dict:
     """A finished synchronous run's summary, to set beside an asynchronous one."""
-    return load_finished(path, "sync", lambda s: s.get("spec", True) and not s.get("async"),
+    return load_finished(path, "sync", "a synchronous spec=true run", lambda s: s.get("spec", True) and "async" not in s,
                          "run `draftadapt demo --out DIR` (async_lag=0) on the same world and seed")
 
 
-def load_finished(path: str, key: str, fits, how: str) -> dict:
+def load_finished(path: str, key: str, what: str, fits, how: str) -> dict:
     f = Path(path) / "summary.json"
     if not f.is_file():
         raise ConfigError(f"{key}={path}: no summary.json there; pass the OUT of a finished run ({how})")
     s = json.loads(f.read_text())
     if not fits(s) or "end_to_end" not in s:
-        raise ConfigError(f"{key}={path} is not the run it should be (spec={s.get('spec')}, "
+        raise ConfigError(f"{key}={path} is not {what} (its summary has spec={s.get('spec')}, "
                           f"async={'async' in s}); {how}")
     return s
 
