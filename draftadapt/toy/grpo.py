@@ -62,6 +62,11 @@ class GRPOConfig:
     style: str = "verbose"
     style_bonus: float = 1.0
     micro_batch: int = 32  # sequences per forward/backward in the update (gradients accumulate)
+    # Asynchronous loop only (rollouts sampled by an older policy): each response token's
+    # gradient is weighted by min(p_policy / p_sampler, off_policy_clip), the sampler's
+    # probability being the engine's log-prob of the token (truncated importance sampling; at
+    # temperature 1 the engine's raw log-probs are the sampled distribution's). 0 = no weight.
+    off_policy_clip: float = 2.0
 
     def lr_at(self, step: int) -> float:
         return self.lr * min(1.0, (step + 1) / (self.warmup_steps + 1))
@@ -132,6 +137,12 @@ class DemoConfig:
     # policy update and the adapter): together no more than the cores, or their OpenMP threads
     # spin against each other (5-7x slower here). The arms are measured with engine_threads.
     async_threads: int = 1
+    # Adapter rounds in async mode: every this many steps (it stands in for
+    # adapter.schedule.every_n_steps there). The candidates learn from rollouts L versions older
+    # than the synchronous loop's; at the synchronous demo's every other step they fell behind
+    # the drift (last third 1.14x the frozen draft, against 1.32x every step: docs/design.md,
+    # "Asynchronous RL").
+    async_adapter_every: int = 1
     # a finished synchronous run (async_lag=0, spec=true) on the same world: an async run's summary
     # sets its step time beside its own
     sync: str | None = None
@@ -146,6 +157,8 @@ class DemoConfig:
         if self.async_lag and self.adapter_background:
             raise ConfigError("async_lag already runs the adapter's round beside the generation; drop "
                               "adapter_background=true")
+        if self.async_adapter_every < 1:
+            raise ConfigError(f"async_adapter_every={self.async_adapter_every}: give the steps between adapter rounds (>= 1)")
         if self.async_threads < 1:
             raise ConfigError(f"async_threads={self.async_threads}: give at least 1 torch thread per job")
         if self.sync and not self.async_lag:
@@ -161,6 +174,16 @@ def token_logprobs(model, batch: dict, handover=None, index=None) -> torch.Tenso
         handover.add(index, logits, batch["attention_mask"])
     logp = torch.log_softmax(logits.float(), dim=-1)[:, :-1]
     return logp.gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
+
+
+def sampler_logprobs(rollouts, shape) -> torch.Tensor:
+    """The engine's log-prob of each response token, in ``token_logprobs``' slots ([B, T-1]: the
+    slot before the token; 0 elsewhere)."""
+    out = torch.zeros(shape)
+    for b, r in enumerate(rollouts):
+        start = len(r.prompt_token_ids) - 1
+        out[b, start: start + len(r.logprobs)] = torch.tensor(r.logprobs)
+    return out
 
 
 def kl_to_reference(lp: torch.Tensor, ref_lp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -197,6 +220,8 @@ def grpo_update(policy, reference, opt, problems, rollouts, cfg: GRPOConfig, pad
     # the longest response of the step (verbose answers are ~2x the terse ones).
     order = sorted(range(n), key=lambda i: len(seqs[i].ids))
     pg_sum = kl_sum = 0.0
+    # the sampler's log-probs come with off-policy rollouts only (the asynchronous loop asks for them)
+    off_policy = cfg.off_policy_clip > 0 and all(getattr(r, "logprobs", None) is not None for r in rollouts)
     for lo in range(0, n, cfg.micro_batch):
         if threads is not None:
             torch.set_num_threads(threads())
@@ -204,7 +229,11 @@ def grpo_update(policy, reference, opt, problems, rollouts, cfg: GRPOConfig, pad
         batch = collate([seqs[i] for i in idx], pad_id)
         mask = batch["loss_mask"][:, :-1].float()  # slots whose next token is a response token
         lp = token_logprobs(policy, batch, handover, idx)
-        pg = -(adv[idx] * (lp * mask).sum(-1) / mask.sum(-1).clamp(min=1)).sum() / n
+        weight = mask
+        if off_policy:
+            weight = mask * torch.exp(lp.detach() - sampler_logprobs([rollouts[i] for i in idx], lp.shape)).clamp(
+                max=cfg.off_policy_clip)
+        pg = -(adv[idx] * (weight * lp).sum(-1) / mask.sum(-1).clamp(min=1)).sum() / n
         loss = pg
         if cfg.kl_coef and mask.sum() > 0:
             with torch.no_grad():
@@ -363,7 +392,10 @@ def run(cfg: DemoConfig) -> dict:
     # contend for this interpreter's lock (docs/design.md, "Asynchronous RL")
     rl_engine = EngineProcess if cfg.async_lag else RolloutEngine
     if cfg.spec:
-        adapter = DraftAdapter(toy, draft0, out / "drafts", cfg.adapter)  # its metrics land in our row
+        adapter_cfg = cfg.adapter
+        if cfg.async_lag:
+            adapter_cfg = replace(adapter_cfg, schedule=replace(adapter_cfg.schedule, every_n_steps=cfg.async_adapter_every))
+        adapter = DraftAdapter(toy, draft0, out / "drafts", adapter_cfg)  # its metrics land in our row
         spec = rl_engine(toy, draft0, method="eagle3", num_speculative_tokens=cfg.k,
                          threads=cfg.engine_threads, seed=cfg.seed)
     plain = (RolloutEngine if cfg.spec else rl_engine)(toy, None, threads=cfg.engine_threads, seed=cfg.seed)
@@ -496,7 +528,11 @@ def async_steps(r: Run):
         problems = [p for p in task.sample_problems(cfg.grpo.prompts_per_step, r.rng.randrange(1 << 30))
                     for _ in range(cfg.grpo.group_size)]
         args = ([p["prompt"] for p in problems],)
-        kwargs = dict(temperature=cfg.grpo.temperature, max_tokens=cfg.grpo.max_tokens, seed=r.rng.randrange(1 << 30))
+        kwargs = dict(temperature=cfg.grpo.temperature, max_tokens=cfg.grpo.max_tokens, seed=r.rng.randrange(1 << 30),
+                      logprobs=cfg.grpo.off_policy_clip > 0)  # the sampler's, for the update's importance weights
+        # read before the generation starts: the engine answers one call at a time, so a read
+        # after it would wait for the whole generation
+        version = engine.policy_version
         if background:  # the engine's share of the cores, beside the trainer
             engine.set_threads(cfg.async_threads)
             future = pool.submit(engine.generate, *args, **kwargs)
@@ -504,7 +540,7 @@ def async_steps(r: Run):
             engine.set_threads(cfg.engine_threads)
             future = Future()
             future.set_result(engine.generate(*args, **kwargs))
-        return step, problems, future, engine.policy_version
+        return step, problems, future, version
 
     def collect(job) -> None:
         step, problems, future, version = job

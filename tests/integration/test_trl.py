@@ -112,4 +112,6 @@ IMPORT_TIME_ENV = {"TORCHINDUCTOR_CACHE_DIR", "PYTORCH_NVML_BASED_CUDA_CHECK"}
 
 def host_state() -> dict:
     env = {k: v for k, v in os.environ.items() if k not in IMPORT_TIME_ENV}
-    return {"env": env, "threads": torch.get_num_threads(), "rng": torch.get_rng_state().tolist()}
+    # set_num_threads itself: vLLM's CPU worker swaps in a process-wide no-op (put back by RolloutEngine)
+    return {"env": env, "threads": torch.get_num_threads(), "set_num_threads": torch.set_num_threads,
+            "rng": torch.get_rng_state().tolist()}
