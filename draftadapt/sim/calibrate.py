@@ -332,7 +332,8 @@ class DemoAsyncPrediction:
     """The demo's asynchronous step times, measured and predicted step by step."""
 
     source: str  # where the all-core stage costs come from: "async" (the run itself) or "sync"
-    cores: SharedCoresConfig  # fitted on every steady step (the predictions use leave-one-out fits)
+    cores: SharedCoresConfig  # fitted on every steady step (the predictions use leave-one-out fits) or given
+    fitted: bool  # False: ``cores`` came from another run, nothing here was fitted
     steps: list[int]  # telemetry step of each predicted step
     kinds: list[str]  # "first", "steady" or "last"
     measured: list[float]  # stage/rl_step_s
@@ -360,11 +361,13 @@ class DemoAsyncPrediction:
     def summary(self) -> str:
         c = self.cores
         n = self.kinds.count("steady")
+        how = f"fitted (all {n} steady steps)" if self.fitted else "given (fitted on another run)"
+        loo = "each predicted by a fit on the others" if self.fitted else "none fitted"
         return "\n".join([
-            f"demo async step from the {self.source} run's all-core stages: fitted (all {n} steady steps) "
+            f"demo async step from the {self.source} run's all-core stages: {how} "
             f"gen_slowdown {c.gen_slowdown:.3f}, train_slowdown {c.train_slowdown:.3f}, "
-            f"boundary_s {c.boundary_s:.3f}",
-            f"  steady steps ({n}, each predicted by a fit on the others): measured {self.steady_measured_s:.3f} s, "
+            f"boundary_s {c.boundary_s:.3f} (--demo-cores {c.gen_slowdown:.4g},{c.train_slowdown:.4g},{c.boundary_s:.4g})",
+            f"  steady steps ({n}, {loo}): measured {self.steady_measured_s:.3f} s, "
             f"predicted {self.steady_predicted_s:.3f} s ({rel_err(self.steady_predicted_s, self.steady_measured_s):+.1%})",
             f"  whole run ({len(self.steps)} steps): measured {self.run_measured_s:.3f} s, "
             f"predicted {self.run_predicted_s:.3f} s ({rel_err(self.run_predicted_s, self.run_measured_s):+.1%})",
@@ -407,7 +410,8 @@ def _async_costs(records: list[StepRecord], steady: list[int], last: list[int],
     return costs, fill
 
 
-def predict_demo_async(records: list[StepRecord], sync: list[StepRecord] | None = None) -> DemoAsyncPrediction:
+def predict_demo_async(records: list[StepRecord], sync: list[StepRecord] | None = None,
+                       cores: SharedCoresConfig | None = None) -> DemoAsyncPrediction:
     """Each step of an async_lag=1 demo run predicted by the shared-cores model.
 
     The slowdowns and the boundary are fitted leave-one-out: a steady step is predicted by a
@@ -415,7 +419,9 @@ def predict_demo_async(records: list[StepRecord], sync: list[StepRecord] | None 
     all-core stage costs come from ``sync`` (a synchronous run on the same world: nothing the
     async run measured enters a prediction but through the fit on other steps) or, without it,
     from the async run's own all-core moments (the fill and the last step: their predictions
-    then read their own stage times, so only the steady steps are predictions proper)."""
+    then read their own stage times, so only the steady steps are predictions proper).
+    ``cores``: slowdowns fitted on another run (with the same kind of all-core costs): no fit,
+    every step predicted with them."""
     steady, last = demo_async_steps(records)
     if sync is not None:
         costs, fill = _sync_costs(sync, len(records), last)
@@ -429,19 +435,22 @@ def predict_demo_async(records: list[StepRecord], sync: list[StepRecord] | None 
     else:
         cost_fn = lambda fit: _async_costs(records, steady, last, fit)[0]  # noqa: E731
         fill = records[0].exposed_gen_s
-    everyone = fit_shared_cores(cost_fn(steady), records, steady)
+    everyone = cores or fit_shared_cores(cost_fn(steady), records, steady)
     order = ([0] if 0 in cost_fn(steady) else []) + steady + last
     kinds, predicted = [], []
     for i in order:
-        if i in steady:
+        if i in steady and cores is not None:
+            kind = "steady"
+            predicted.append(shared_async_step(cost_fn(steady)[i], cores).step_s)
+        elif i in steady:
             others = [j for j in steady if j != i]
-            cores, kind = fit_shared_cores(cost_fn(others), records, others), "steady"
-            predicted.append(shared_async_step(cost_fn(others)[i], cores).step_s)
+            kind, fit = "steady", fit_shared_cores(cost_fn(others), records, others)
+            predicted.append(shared_async_step(cost_fn(others)[i], fit).step_s)
         else:
             kind = "first" if i == 0 else "last"
             predicted.append(shared_async_step(cost_fn(steady)[i], everyone, fill if i == 0 else 0.0).step_s)
         kinds.append(kind)
     return DemoAsyncPrediction(
-        source="sync" if sync is not None else "async", cores=everyone,
+        source="sync" if sync is not None else "async", cores=everyone, fitted=cores is None,
         steps=[records[i].step if records[i].step is not None else i for i in order], kinds=kinds,
         measured=[records[i].rl_step_s for i in order], predicted=predicted)
