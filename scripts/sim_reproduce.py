@@ -170,13 +170,13 @@ def main() -> int:
         status += " (fitted)" if c.calibrated else ""
         print(f"{recipe:30s} {c.figure:28s} {variant:36s} {c.projected:9.4g} {c.published:9.4g} "
               f"{c.rel_err:+7.1%}  {status}")
+    if any(c.figure.startswith("demo.") for _, c in rows):
+        print("demo.* rows: 'published' is the run's measured mean step time (stage/rl_step_s)")
     predicted = [c for _, c in rows if c.gated and not c.calibrated]
     worst = max((abs(c.rel_err) for c in predicted), default=0.0)
     print(f"{gated - off}/{gated} gated figures within tolerance ({len(predicted)} predicted, "
           f"{gated - len(predicted)} fitted; worst predicted error {worst:.1%}); "
           f"{len(rows) - gated} not gated, see the recipes' notes")
-    if any(c.figure.startswith("demo.") for _, c in rows):
-        print("demo.* rows: 'published' is the run's measured mean step time (stage/rl_step_s)")
     return 1 if off else 0
 
 
