@@ -8,7 +8,8 @@ then one summary line; exits 1 if a gated figure is off by more than its toleran
 the k=5/7 and n-gram rows).
 Figures marked "fitted" were used to calibrate the recipe; the rest are predictions.
 
-The demo's asynchronous step (issue 18; docs/design.md "Simulator: the demo's asynchronous step")
+The demo's asynchronous step (issue 18; docs/design.md "Simulator: asynchronous steps",
+"The demo's step on shared cores")
 is gated beside them at 15%: the shared-cores model fitted to recipes/demo_async_telemetry.jsonl
 (a `draftadapt demo async_lag=1` run's metrics.jsonl) predicts its mean step time, and from the
 stages of a synchronous run on the same world too when recipes/demo_sync_telemetry.jsonl exists.

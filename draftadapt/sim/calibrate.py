@@ -10,6 +10,12 @@ step's stage times and a least-squares fit on log(predicted / measured) moves th
 parameters (dotted recipe fields, e.g. ``engine.draft_overhead_ms``). What the telemetry
 cannot tell apart stays as the recipe states it: the defaults free only parameters that the
 logged stages pin down.
+
+    pred = predict_demo_async(read_telemetry("OUT/metrics.jsonl"))  # a demo async_lag=1 run
+    print(pred.summary())
+
+fits the shared-cores model of the demo's asynchronous step (model.shared_async_step) and
+predicts each step leave-one-out.
 """
 
 from __future__ import annotations
@@ -265,8 +271,8 @@ def synthetic_telemetry(
 
 
 # ---------------------------------------------------------------------------------------------
-# the demo's asynchronous step on shared cores (docs/design.md "Simulator: the demo's
-# asynchronous step")
+# the demo's asynchronous step on shared cores (docs/design.md "Simulator: asynchronous
+# steps", "The demo's step on shared cores")
 
 SHARED_FREE = ("gen_slowdown", "train_slowdown", "boundary_s")
 # a job is never faster beside the other one than alone on every core (assumption)

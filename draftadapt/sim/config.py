@@ -234,8 +234,8 @@ class PipelineConfig:
 @dataclass
 class SharedCoresConfig:
     """Asynchronous RL on one machine whose cores generation and training share (the demo:
-    ``draftadapt demo async_lag=1`` on 2 CPU cores; docs/design.md "Simulator: the demo's
-    asynchronous step"). Each slowdown is a stage's wall time at its share of the cores beside
+    ``draftadapt demo async_lag=1`` on 2 CPU cores; docs/design.md "Simulator: asynchronous
+    steps", "The demo's step on shared cores"). Each slowdown is a stage's wall time at its share of the cores beside
     the other job over its wall time alone on every core; ``draftadapt.sim.calibrate.
     predict_demo_async`` fits them to a run's telemetry."""
 

@@ -573,8 +573,8 @@ def step_ceiling(gen_share: float, alpha: float) -> float:
 
 
 # ---------------------------------------------------------------------------------------------
-# asynchronous steps on shared cores (the demo; docs/design.md "Simulator: the demo's
-# asynchronous step")
+# asynchronous steps on shared cores (the demo; docs/design.md "Simulator: asynchronous
+# steps", "The demo's step on shared cores")
 
 
 @dataclass(frozen=True)

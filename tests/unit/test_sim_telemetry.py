@@ -81,7 +81,7 @@ def test_round_trip():
 
 
 def test_the_demos_async_stages_are_read():
-    """The demo's async rows (docs/design.md "Simulator: the demo's asynchronous step")."""
+    """The demo's async rows (docs/design.md "The demo's step on shared cores")."""
     obj = {"step": 2, "stage/gen_s": 3.6, "stage/exposed_gen_s": 0.0, "stage/train_s": 5.3,
            "stage/adapt_s": 0.3, "stage/rl_step_s": 5.8, "async/trainer_version": 1.0,
            "async/rollout_version": 0.0}
