@@ -383,37 +383,41 @@ class DemoAsyncPrediction:
         ])
 
 
-def _sync_costs(sync: list[StepRecord], n: int, last: list[int]) -> tuple[dict[int, StageCosts], float]:
-    """All-core costs of async step t from the sync run on the same world: its step t's policy
-    update and adapter round, its step t+1's generation (the rollouts the async step generates
-    beside its trainer: same prompts and seed, one policy version older); the fill is its step 0's
-    generation (the same rollouts)."""
+def _sync_costs(sync: list[StepRecord], records: list[StepRecord], last: list[int]) -> dict[int, StageCosts]:
+    """All-core costs of async step t from a sync run on the same world: its step t's policy
+    update and adapter round, and its step t+1's generation (the prompts and seed the async step
+    generates beside its trainer, there sampled one policy version older); the fill is its step
+    0's generation (the very same rollouts)."""
     for i, rec in enumerate(sync):
         missing = [f"stage/{k}" for k in ("gen_s", "train_s", "adapt_s") if getattr(rec, k) is None]
         if missing or "async/trainer_version" in rec.extra:
             raise ConfigError(f"sync telemetry record {i}: " + (f"lacks {missing}" if missing else
                               "is from an asynchronous run") + "; give a `draftadapt demo` (async_lag=0) metrics.jsonl")
+    # both runs train their first step on the same rollouts (policy 0, same prompts and seed)
+    ours, theirs = records[0].extra.get("rl/reward"), sync[0].extra.get("rl/reward")
+    if ours is not None and theirs is not None and abs(ours - theirs) > 1e-6:
+        raise ConfigError(f"the sync run's first step has reward {theirs:.6g}, the async run's {ours:.6g}: not the "
+                          "same world and seed; give the sync run made with the async run's toy, seed and settings")
     costs = {}
-    for t in range(min(n, len(sync))):
+    for t in range(min(len(records), len(sync))):
         if t in last:
             costs[t] = StageCosts(0.0, sync[t].train_s, sync[t].adapt_s)
         elif t + 1 < len(sync):
             costs[t] = StageCosts(sync[t + 1].gen_s, sync[t].train_s, sync[t].adapt_s)
-    return costs, sync[0].gen_s
+    return costs
 
 
 def _async_costs(records: list[StepRecord], steady: list[int], last: list[int],
-                 fit: list[int]) -> tuple[dict[int, StageCosts], float]:
+                 fit: list[int]) -> dict[int, StageCosts]:
     """All-core costs from the async run itself: the generation is the fill's (record 0's
     exposed generation: step 0's rollouts on every core, the trainer outlasting its overlapped
     generation as in every steady step), the policy update the final step's (nothing beside it),
     the adapter round the mean over ``fit``."""
-    fill = records[0].exposed_gen_s
     train = records[last[-1]].train_s if last else records[-1].train_s
     adapt = float(np.mean([records[i].adapt_s for i in fit]))
-    costs = {i: StageCosts(fill, train, adapt) for i in [0] + steady}
+    costs = {i: StageCosts(records[0].exposed_gen_s, train, adapt) for i in [0] + steady}
     costs.update({i: StageCosts(0.0, records[i].train_s, records[i].adapt_s) for i in last})
-    return costs, fill
+    return costs
 
 
 def predict_demo_async(records: list[StepRecord], sync: list[StepRecord] | None = None,
@@ -430,32 +434,31 @@ def predict_demo_async(records: list[StepRecord], sync: list[StepRecord] | None 
     every step predicted with them."""
     steady, last = demo_async_steps(records)
     if sync is not None:
-        costs, fill = _sync_costs(sync, len(records), last)
-        missing = [records[i].step for i in steady if i not in costs]
-        steady = [i for i in steady if i in costs]
-        last = [i for i in last if i in costs]
+        paired = _sync_costs(sync, records, last)
+        fill = sync[0].gen_s
+        missing = [records[i].step for i in steady if i not in paired]
+        steady, last = [i for i in steady if i in paired], [i for i in last if i in paired]
         if len(steady) < 3:
             raise ConfigError(f"the sync telemetry pairs {len(steady)} steady async step(s) (async steps "
                               f"{missing} have no sync step t+1); the fit needs 3: give a sync run as long as the async one")
-        cost_fn = lambda fit: costs  # noqa: E731 - the same costs whatever the fit
     else:
-        cost_fn = lambda fit: _async_costs(records, steady, last, fit)[0]  # noqa: E731
         fill = records[0].exposed_gen_s
-    everyone = cores or fit_shared_cores(cost_fn(steady), records, steady)
-    order = ([0] if 0 in cost_fn(steady) else []) + steady + last
+
+    def costs(fit: list[int]) -> dict[int, StageCosts]:
+        return paired if sync is not None else _async_costs(records, steady, last, fit)
+
+    everyone = cores or fit_shared_cores(costs(steady), records, steady)
+    order = ([0] if 0 in costs(steady) else []) + steady + last
     kinds, predicted = [], []
     for i in order:
-        if i in steady and cores is not None:
-            kind = "steady"
-            predicted.append(shared_async_step(cost_fn(steady)[i], cores).step_s)
-        elif i in steady:
+        if i in steady:
             others = [j for j in steady if j != i]
-            kind, fit = "steady", fit_shared_cores(cost_fn(others), records, others)
-            predicted.append(shared_async_step(cost_fn(others)[i], fit).step_s)
+            fit = cores or fit_shared_cores(costs(others), records, others)
+            step = shared_async_step(costs(others)[i], fit)
         else:
-            kind = "first" if i == 0 else "last"
-            predicted.append(shared_async_step(cost_fn(steady)[i], everyone, fill if i == 0 else 0.0).step_s)
-        kinds.append(kind)
+            step = shared_async_step(costs(steady)[i], everyone, fill if i == 0 else 0.0)
+        kinds.append("steady" if i in steady else "first" if i == 0 else "last")
+        predicted.append(step.step_s)
     return DemoAsyncPrediction(
         source="sync" if sync is not None else "async", cores=everyone, fitted=cores is None,
         steps=[records[i].step if records[i].step is not None else i for i in order], kinds=kinds,

@@ -221,3 +221,9 @@ def test_demo_async_refuses_a_wrong_sync_run():
         predict_demo_async(rows, rows)
     with pytest.raises(ConfigError, match="pairs 2 steady async step"):
         predict_demo_async(rows, sync[:4])
+    # both runs train their first step on the same rollouts: a different reward is another world
+    rows[0].extra["rl/reward"], sync[0].extra["rl/reward"] = 0.39453125, 0.39453125
+    assert predict_demo_async(rows, sync).fitted
+    sync[0].extra["rl/reward"] = 0.421875
+    with pytest.raises(ConfigError, match="not the same world and seed"):
+        predict_demo_async(rows, sync)
