@@ -36,10 +36,11 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 from tqdm import tqdm  # noqa: E402
 
-from draftadapt.config import load_config  # noqa: E402
+from draftadapt.config import ConfigError, load_config  # noqa: E402
 from draftadapt.sim.config import SimConfig  # noqa: E402
 from draftadapt.sim.model import simulate  # noqa: E402
 from draftadapt.sim.report import Comparison, compare  # noqa: E402
+from draftadapt.sim.telemetry import TelemetryError  # noqa: E402
 
 DEMO_ASYNC = ROOT / "recipes" / "demo_async_telemetry.jsonl"
 DEMO_SYNC = ROOT / "recipes" / "demo_sync_telemetry.jsonl"
@@ -66,10 +67,13 @@ def demo_async(async_path: Path, sync_path: Path | None, cores: str | None = Non
     given = None
     if cores:
         try:
-            given = SharedCoresConfig(*(float(v) for v in cores.split(",")))
-        except (TypeError, ValueError):
-            raise SystemExit(f"--demo-cores {cores!r}: give gen_slowdown,train_slowdown,boundary_s "
-                             "(three numbers, as the fit prints them)") from None
+            values = [float(v) for v in cores.split(",")]
+            if len(values) != 3:
+                raise ValueError(cores)
+            given = SharedCoresConfig(*values)
+        except ValueError:
+            raise ConfigError(f"--demo-cores {cores!r}: give gen_slowdown,train_slowdown,boundary_s "
+                          "(three numbers, as the fit prints them)") from None
         given.validate()
     records = read_telemetry(async_path)
     fits = []
@@ -154,7 +158,11 @@ def main() -> int:
     rows = reproduce(recipes)
     if args.demo_async or not args.recipes:
         sync = args.demo_sync or (DEMO_SYNC if DEMO_SYNC.is_file() and not args.demo_async else None)
-        rows += demo_async(args.demo_async or DEMO_ASYNC, sync, args.demo_cores)
+        try:
+            rows += demo_async(args.demo_async or DEMO_ASYNC, sync, args.demo_cores)
+        except (ConfigError, TelemetryError) as exc:
+            print(f"sim_reproduce: demo async step: {exc}", file=sys.stderr)
+            return 2
     print(f"{'recipe':30s} {'figure':28s} {'variant':36s} {'projected':>9s} {'published':>9s} "
           f"{'error':>7s}  status")
     gated = off = 0

@@ -172,3 +172,15 @@ def test_reproduce_script_gates_the_demos_async_step():
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "sim_reproduce.py"), *demo_only,
                            "--demo-cores", "3,3,2"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1 and "OFF" in proc.stdout
+
+
+def test_reproduce_script_refuses_a_sync_run_from_another_world(tmp_path):
+    lines = (ROOT / "recipes" / "demo_sync_telemetry.jsonl").read_text().splitlines()
+    first = json.loads(lines[0])
+    first["rl/reward"] += 0.25
+    other = tmp_path / "sync.jsonl"
+    other.write_text("\n".join([json.dumps(first)] + lines[1:]) + "\n")
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "sim_reproduce.py"), "--demo-async",
+                           str(ROOT / "recipes" / "demo_async_telemetry.jsonl"), "--demo-sync", str(other)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "not the same world and seed" in proc.stderr, proc.stdout + proc.stderr
