@@ -8,6 +8,16 @@ then one summary line; exits 1 if a gated figure is off by more than its toleran
 the k=5/7 and n-gram rows).
 Figures marked "fitted" were used to calibrate the recipe; the rest are predictions.
 
+The demo's asynchronous step (issue 18; docs/design.md "Simulator: asynchronous steps",
+"The demo's step on shared cores")
+is gated beside them at 15%: the shared-cores model fitted to recipes/demo_async_telemetry.jsonl
+(a `draftadapt demo async_lag=1` run's metrics.jsonl) predicts its mean step time, and from the
+stages of a synchronous run on the same world too when recipes/demo_sync_telemetry.jsonl exists.
+Another run's telemetry:
+
+    python scripts/sim_reproduce.py --demo-async RUN/metrics.jsonl [--demo-sync SYNC_RUN/metrics.jsonl]
+        [--demo-cores G,T,B]    # slowdowns fitted on another run: a prediction with nothing fitted
+
     python scripts/sim_reproduce.py --write-sample recipes/sim_telemetry_sample.jsonl
 
 regenerates the telemetry sample (synthetic: the model's own output for the RL-Think recipe
@@ -26,10 +36,14 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 from tqdm import tqdm  # noqa: E402
 
-from draftadapt.config import load_config  # noqa: E402
+from draftadapt.config import ConfigError, load_config  # noqa: E402
 from draftadapt.sim.config import SimConfig  # noqa: E402
 from draftadapt.sim.model import simulate  # noqa: E402
-from draftadapt.sim.report import compare  # noqa: E402
+from draftadapt.sim.report import Comparison, compare  # noqa: E402
+from draftadapt.sim.telemetry import TelemetryError  # noqa: E402
+
+DEMO_ASYNC = ROOT / "recipes" / "demo_async_telemetry.jsonl"
+DEMO_SYNC = ROOT / "recipes" / "demo_sync_telemetry.jsonl"
 
 
 def reproduce(recipes: list[Path]) -> list[tuple[str, object]]:
@@ -38,6 +52,50 @@ def reproduce(recipes: list[Path]) -> list[tuple[str, object]]:
         cfg = load_config(SimConfig, path)
         result = simulate(cfg, sweep=False)
         rows.extend((path.name, c) for c in compare(str(path), [], cfg, result))
+    return rows
+
+
+def demo_async(async_path: Path, sync_path: Path | None, cores: str | None = None) -> list[tuple[str, Comparison]]:
+    """The demo's measured async step times beside the shared-cores model's predictions: the
+    steady steps' mean and the whole run's, from the run's own all-core stages and (with
+    ``sync_path``) from the sync run's; ``cores`` ("gen_slowdown,train_slowdown,boundary_s",
+    fitted on another run from the same kind of stages) replaces the fit."""
+    from draftadapt.sim.calibrate import predict_demo_async
+    from draftadapt.sim.config import SharedCoresConfig
+    from draftadapt.sim.telemetry import read_telemetry
+
+    given = None
+    if cores:
+        try:
+            values = [float(v) for v in cores.split(",")]
+            if len(values) != 3:
+                raise ValueError(cores)
+            given = SharedCoresConfig(*values)
+        except ValueError:
+            raise ConfigError(f"--demo-cores {cores!r}: give gen_slowdown,train_slowdown,boundary_s "
+                          "(three numbers, as the fit prints them)") from None
+        given.validate()
+    records = read_telemetry(async_path)
+    fits = []
+    if sync_path is not None:
+        fits.append((predict_demo_async(records, read_telemetry(sync_path), cores=given), "sync costs: "))
+    if given is None or sync_path is None:
+        fits.insert(0, (predict_demo_async(records, cores=given), ""))
+    rows = []
+    for fit, prefix in fits:
+        print(fit.summary())
+        own = "" if fit.source == "sync" else (
+            "; the first and last steps' predictions read their own all-core stages (the fill, the "
+            "last policy update)")
+        for variant, measured, predicted, note in (
+            ("steady steps" + (", leave-one-out" if fit.fitted else ", given slowdowns"), fit.steady_measured_s, fit.steady_predicted_s,
+             "each steady step predicted by a fit on the others" if fit.fitted
+             else "slowdowns fitted on another run: nothing fitted here"),
+            ("whole run", fit.run_measured_s, fit.run_predicted_s, "the mean the demo reports" + own),
+        ):
+            rows.append((async_path.name, Comparison(
+                figure="demo.async.step_s", published=measured, projected=predicted, source=str(async_path),
+                overrides=[prefix + variant], gated=True, calibrated=False, tolerance=0.15, note=note)))
     return rows
 
 
@@ -84,6 +142,12 @@ def main() -> int:
     parser.add_argument("recipes", nargs="*", type=Path, help="default: recipes/sim_*.yaml")
     parser.add_argument("--refit", action="store_true", help="redo the 8B calibration and compare")
     parser.add_argument("--write-sample", type=Path, default=None, metavar="JSONL")
+    parser.add_argument("--demo-async", type=Path, default=None, metavar="JSONL",
+                        help=f"an async_lag=1 demo run's metrics.jsonl (default with no recipes: {DEMO_ASYNC.name})")
+    parser.add_argument("--demo-sync", type=Path, default=None, metavar="JSONL",
+                        help=f"a sync demo run's metrics.jsonl on the same world (default: {DEMO_SYNC.name} if present)")
+    parser.add_argument("--demo-cores", default=None, metavar="G,T,B",
+                        help="slowdowns fitted on another run (as its fit prints them): predict, do not fit")
     args = parser.parse_args()
     if args.write_sample:
         write_sample(args.write_sample)
@@ -92,6 +156,13 @@ def main() -> int:
         refit()
     recipes = args.recipes or sorted((ROOT / "recipes").glob("sim_*.yaml"))
     rows = reproduce(recipes)
+    if args.demo_async or not args.recipes:
+        sync = args.demo_sync or (DEMO_SYNC if DEMO_SYNC.is_file() and not args.demo_async else None)
+        try:
+            rows += demo_async(args.demo_async or DEMO_ASYNC, sync, args.demo_cores)
+        except (ConfigError, TelemetryError) as exc:
+            print(f"sim_reproduce: demo async step: {exc}", file=sys.stderr)
+            return 2
     print(f"{'recipe':30s} {'figure':28s} {'variant':36s} {'projected':>9s} {'published':>9s} "
           f"{'error':>7s}  status")
     gated = off = 0
@@ -108,6 +179,8 @@ def main() -> int:
         status += " (fitted)" if c.calibrated else ""
         print(f"{recipe:30s} {c.figure:28s} {variant:36s} {c.projected:9.4g} {c.published:9.4g} "
               f"{c.rel_err:+7.1%}  {status}")
+    if any(c.figure.startswith("demo.") for _, c in rows):
+        print("demo.* rows: 'published' is the run's measured mean step time (stage/rl_step_s)")
     predicted = [c for _, c in rows if c.gated and not c.calibrated]
     worst = max((abs(c.rel_err) for c in predicted), default=0.0)
     print(f"{gated - off}/{gated} gated figures within tolerance ({len(predicted)} predicted, "

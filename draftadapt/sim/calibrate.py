@@ -10,6 +10,12 @@ step's stage times and a least-squares fit on log(predicted / measured) moves th
 parameters (dotted recipe fields, e.g. ``engine.draft_overhead_ms``). What the telemetry
 cannot tell apart stays as the recipe states it: the defaults free only parameters that the
 logged stages pin down.
+
+    pred = predict_demo_async(read_telemetry("OUT/metrics.jsonl"))  # a demo async_lag=1 run
+    print(pred.summary())
+
+fits the shared-cores model of the demo's asynchronous step (model.shared_async_step) and
+predicts each step leave-one-out.
 """
 
 from __future__ import annotations
@@ -20,8 +26,10 @@ from dataclasses import dataclass, fields, is_dataclass, replace
 import numpy as np
 
 from draftadapt.config import ConfigError
-from draftadapt.sim.config import SimConfig
-from draftadapt.sim.model import learner_times, median_for_mean, rel_err, simulate_step
+from draftadapt.sim.config import SharedCoresConfig, SimConfig
+from draftadapt.sim.model import (
+    StageCosts, learner_times, median_for_mean, rel_err, shared_async_step, simulate_step,
+)
 from draftadapt.sim.telemetry import StepRecord
 
 FITTED_STAGES = ("prepare_s", "gen_s", "logprob_s", "train_s")
@@ -260,3 +268,198 @@ def synthetic_telemetry(
             rec.adapt_s = round(cfg.adapt.train_s, 2)
         records.append(rec)
     return records
+
+
+# ---------------------------------------------------------------------------------------------
+# the demo's asynchronous step on shared cores (docs/design.md "Simulator: asynchronous
+# steps", "The demo's step on shared cores")
+
+SHARED_FREE = ("gen_slowdown", "train_slowdown", "boundary_s")
+# a job is never faster beside the other one than alone on every core (assumption)
+SHARED_BOUNDS = {"gen_slowdown": (1.0, 20.0), "train_slowdown": (1.0, 20.0), "boundary_s": (0.0, 60.0)}
+_ASYNC_KEYS = ("gen_s", "train_s", "adapt_s", "exposed_gen_s", "rl_step_s")
+
+
+def demo_async_steps(records: list[StepRecord]) -> tuple[list[int], list[int]]:
+    """(steady, last) record indices of an async_lag=1 demo run: record 0 is the first step
+    (it also waits for the pipeline fill), a step with no generation beside it (stage/gen_s 0:
+    the run's last) is a last step, the rest are steady."""
+    for i, rec in enumerate(records):
+        missing = [f"stage/{k}" for k in _ASYNC_KEYS if getattr(rec, k) is None]
+        if missing:
+            raise ConfigError(f"async telemetry record {i} (step {rec.step}) lacks {missing}; "
+                              "give the metrics.jsonl of a `draftadapt demo async_lag=1` run")
+        lag = rec.extra.get("async/trainer_version"), rec.extra.get("async/rollout_version")
+        if None in lag:
+            raise ConfigError(f"async telemetry record {i} (step {rec.step}) has no async/trainer_version "
+                              "and async/rollout_version: not an asynchronous run (async_lag=0?)")
+        if i and lag[0] - lag[1] != 1:
+            raise ConfigError(f"async telemetry record {i}: rollouts {lag[0] - lag[1]:g} versions behind the "
+                              "trainer; the shared-cores model covers async_lag=1 only")
+    last = [i for i, r in enumerate(records) if i and r.gen_s == 0]
+    steady = [i for i in range(1, len(records)) if i not in last]
+    if len(steady) < 3:
+        raise ConfigError(f"async telemetry has {len(steady)} steady step(s) (a generation beside the trainer, "
+                          "not the first); the leave-one-out fit needs at least 3: run more steps")
+    return steady, last
+
+
+def fit_shared_cores(costs: dict[int, StageCosts], records: list[StepRecord], fit: list[int]) -> SharedCoresConfig:
+    """Least squares on log(predicted / measured) of the steps ``fit`` (indices into records,
+    each with its all-core costs in ``costs``): their overlapped generation, policy update and
+    step times pin the two slowdowns and the boundary."""
+    from scipy.optimize import least_squares
+
+    def step(x: np.ndarray, i: int):
+        return shared_async_step(costs[i], SharedCoresConfig(*x))
+
+    def residuals(x: np.ndarray) -> np.ndarray:
+        out = []
+        for i in fit:
+            p, rec = step(x, i), records[i]
+            out += [math.log(p.gen_s / rec.gen_s), math.log(p.train_s / rec.train_s),
+                    math.log(p.step_s / rec.rl_step_s)]
+        return np.array(out)
+
+    low = np.array([SHARED_BOUNDS[n][0] for n in SHARED_FREE])
+    high = np.array([SHARED_BOUNDS[n][1] for n in SHARED_FREE])
+    gen0 = float(np.median([records[i].gen_s / costs[i].gen_s for i in fit]))
+    rest = float(np.median([records[i].rl_step_s - records[i].train_s - records[i].adapt_s
+                            - records[i].exposed_gen_s for i in fit]))
+    x0 = np.clip([gen0, 1.5, max(rest, 0.0)], low + 1e-9, high - 1e-9)
+    sol = least_squares(residuals, x0, bounds=(low, high), xtol=1e-10, ftol=1e-10)
+    cores = SharedCoresConfig(*(float(v) for v in sol.x))
+    cores.validate()
+    return cores
+
+
+@dataclass
+class DemoAsyncPrediction:
+    """The demo's asynchronous step times, measured and predicted step by step."""
+
+    source: str  # where the all-core stage costs come from: "async" (the run itself) or "sync"
+    cores: SharedCoresConfig  # fitted on every steady step (the predictions use leave-one-out fits) or given
+    fitted: bool  # False: ``cores`` came from another run, nothing here was fitted
+    steps: list[int]  # telemetry step of each predicted step
+    kinds: list[str]  # "first", "steady" or "last"
+    measured: list[float]  # stage/rl_step_s
+    predicted: list[float]
+
+    def _mean(self, values: list[float], steady_only: bool) -> float:
+        return float(np.mean([v for v, k in zip(values, self.kinds) if k == "steady" or not steady_only]))
+
+    @property
+    def run_measured_s(self) -> float:
+        return self._mean(self.measured, False)
+
+    @property
+    def run_predicted_s(self) -> float:
+        return self._mean(self.predicted, False)
+
+    @property
+    def steady_measured_s(self) -> float:
+        return self._mean(self.measured, True)
+
+    @property
+    def steady_predicted_s(self) -> float:
+        return self._mean(self.predicted, True)
+
+    def summary(self) -> str:
+        c = self.cores
+        n = self.kinds.count("steady")
+        how = f"fitted (all {n} steady steps)" if self.fitted else "given (fitted on another run)"
+        loo = "each predicted by a fit on the others" if self.fitted else "none fitted"
+        return "\n".join([
+            f"demo async step from the {self.source} run's all-core stages: {how} "
+            f"gen_slowdown {c.gen_slowdown:.3f}, train_slowdown {c.train_slowdown:.3f}, "
+            f"boundary_s {c.boundary_s:.3f} (--demo-cores {c.gen_slowdown:.4g},{c.train_slowdown:.4g},{c.boundary_s:.4g})",
+            f"  steady steps ({n}, {loo}): measured {self.steady_measured_s:.3f} s, "
+            f"predicted {self.steady_predicted_s:.3f} s ({rel_err(self.steady_predicted_s, self.steady_measured_s):+.1%})",
+            f"  whole run ({len(self.steps)} steps): measured {self.run_measured_s:.3f} s, "
+            f"predicted {self.run_predicted_s:.3f} s ({rel_err(self.run_predicted_s, self.run_measured_s):+.1%})",
+            "  per step (measured/predicted): " + " ".join(
+                f"{s}{'f' if k == 'first' else 'l' if k == 'last' else ''}:{m:.2f}/{p:.2f}"
+                for s, k, m, p in zip(self.steps, self.kinds, self.measured, self.predicted)),
+        ])
+
+
+def _sync_costs(sync: list[StepRecord], records: list[StepRecord], last: list[int]) -> dict[int, StageCosts]:
+    """All-core costs of async step t from a sync run on the same world: its step t's policy
+    update and adapter round, and its step t+1's generation (the prompts and seed the async step
+    generates beside its trainer, there sampled one policy version older); the fill is its step
+    0's generation (the very same rollouts)."""
+    for i, rec in enumerate(sync):
+        missing = [f"stage/{k}" for k in ("gen_s", "train_s", "adapt_s") if getattr(rec, k) is None]
+        if missing or "async/trainer_version" in rec.extra:
+            raise ConfigError(f"sync telemetry record {i}: " + (f"lacks {missing}" if missing else
+                              "is from an asynchronous run") + "; give a `draftadapt demo` (async_lag=0) metrics.jsonl")
+    # both runs train their first step on the same rollouts (policy 0, same prompts and seed)
+    ours, theirs = records[0].extra.get("rl/reward"), sync[0].extra.get("rl/reward")
+    if ours is not None and theirs is not None and abs(ours - theirs) > 1e-6:
+        raise ConfigError(f"the sync run's first step has reward {theirs:.6g}, the async run's {ours:.6g}: not the "
+                          "same world and seed; give the sync run made with the async run's toy, seed and settings")
+    costs = {}
+    for t in range(min(len(records), len(sync))):
+        if t in last:
+            costs[t] = StageCosts(0.0, sync[t].train_s, sync[t].adapt_s)
+        elif t + 1 < len(sync):
+            costs[t] = StageCosts(sync[t + 1].gen_s, sync[t].train_s, sync[t].adapt_s)
+    return costs
+
+
+def _async_costs(records: list[StepRecord], steady: list[int], last: list[int],
+                 fit: list[int]) -> dict[int, StageCosts]:
+    """All-core costs from the async run itself: the generation is the fill's (record 0's
+    exposed generation: step 0's rollouts on every core, the trainer outlasting its overlapped
+    generation as in every steady step), the policy update the final step's (nothing beside it),
+    the adapter round the mean over ``fit``."""
+    train = records[last[-1]].train_s if last else records[-1].train_s
+    adapt = float(np.mean([records[i].adapt_s for i in fit]))
+    costs = {i: StageCosts(records[0].exposed_gen_s, train, adapt) for i in [0] + steady}
+    costs.update({i: StageCosts(0.0, records[i].train_s, records[i].adapt_s) for i in last})
+    return costs
+
+
+def predict_demo_async(records: list[StepRecord], sync: list[StepRecord] | None = None,
+                       cores: SharedCoresConfig | None = None) -> DemoAsyncPrediction:
+    """Each step of an async_lag=1 demo run predicted by the shared-cores model.
+
+    The slowdowns and the boundary are fitted leave-one-out: a steady step is predicted by a
+    fit on the other steady steps, the first and last steps by the fit on all of them. The
+    all-core stage costs come from ``sync`` (a synchronous run on the same world: nothing the
+    async run measured enters a prediction but through the fit on other steps) or, without it,
+    from the async run's own all-core moments (the fill and the last step: their predictions
+    then read their own stage times, so only the steady steps are predictions proper).
+    ``cores``: slowdowns fitted on another run (with the same kind of all-core costs): no fit,
+    every step predicted with them."""
+    steady, last = demo_async_steps(records)
+    if sync is not None:
+        paired = _sync_costs(sync, records, last)
+        fill = sync[0].gen_s
+        missing = [records[i].step for i in steady if i not in paired]
+        steady, last = [i for i in steady if i in paired], [i for i in last if i in paired]
+        if len(steady) < 3:
+            raise ConfigError(f"the sync telemetry pairs {len(steady)} steady async step(s) (async steps "
+                              f"{missing} have no sync step t+1); the fit needs 3: give a sync run as long as the async one")
+    else:
+        fill = records[0].exposed_gen_s
+
+    def costs(fit: list[int]) -> dict[int, StageCosts]:
+        return paired if sync is not None else _async_costs(records, steady, last, fit)
+
+    everyone = cores or fit_shared_cores(costs(steady), records, steady)
+    order = ([0] if 0 in costs(steady) else []) + steady + last
+    kinds, predicted = [], []
+    for i in order:
+        if i in steady:
+            others = [j for j in steady if j != i]
+            fit = cores or fit_shared_cores(costs(others), records, others)
+            step = shared_async_step(costs(others)[i], fit)
+        else:
+            step = shared_async_step(costs(steady)[i], everyone, fill if i == 0 else 0.0)
+        kinds.append("steady" if i in steady else "first" if i == 0 else "last")
+        predicted.append(step.step_s)
+    return DemoAsyncPrediction(
+        source="sync" if sync is not None else "async", cores=everyone, fitted=cores is None,
+        steps=[records[i].step if records[i].step is not None else i for i in order], kinds=kinds,
+        measured=[records[i].rl_step_s for i in order], predicted=predicted)

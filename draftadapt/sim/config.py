@@ -232,6 +232,30 @@ class PipelineConfig:
 
 
 @dataclass
+class SharedCoresConfig:
+    """Asynchronous RL on one machine whose cores generation and training share (the demo:
+    ``draftadapt demo async_lag=1`` on 2 CPU cores; docs/design.md "Simulator: asynchronous
+    steps", "The demo's step on shared cores"). Each slowdown is a stage's wall time at its share of the cores beside
+    the other job over its wall time alone on every core; ``draftadapt.sim.calibrate.
+    predict_demo_async`` fits them to a run's telemetry."""
+
+    # the generation, at its share (1 of 2 threads) for its whole run beside the trainer
+    gen_slowdown: float = 1.0
+    # the trainer (policy update, then the adapter's round) while the generation runs; it takes
+    # every core back once the generation is done
+    train_slowdown: float = 1.0
+    # per step outside the logged stages: launching the next generation, pushing the new policy
+    # into the engine's process, seconds
+    boundary_s: float = 0.0
+
+    def validate(self) -> None:
+        for name in ("gen_slowdown", "train_slowdown"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"cores.{name}={getattr(self, name)} must be > 0 (a wall-time ratio)")
+        _nonneg("cores", boundary_s=self.boundary_s)
+
+
+@dataclass
 class AdaptConfig:
     """Online draft adaptation: restores acceptance at a price."""
 

@@ -573,6 +573,58 @@ def step_ceiling(gen_share: float, alpha: float) -> float:
 
 
 # ---------------------------------------------------------------------------------------------
+# asynchronous steps on shared cores (the demo; docs/design.md "Simulator: asynchronous
+# steps", "The demo's step on shared cores")
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """One RL step's stages, each alone on every core, seconds."""
+
+    gen_s: float  # the generation that runs beside this step (the next step's rollouts; 0 = none)
+    train_s: float  # the policy update
+    adapt_s: float  # the adapter's round (and the swap)
+
+
+@dataclass(frozen=True)
+class SharedStepTimes:
+    """An asynchronous step on shared cores, in the demo's telemetry stages (stage/*), seconds."""
+
+    gen_s: float  # wall of the generation beside the trainer
+    train_s: float  # wall of the policy update
+    adapt_s: float  # wall of the adapter's round
+    exposed_gen_s: float  # the trainer's wait for the generation at the step's end
+    step_s: float  # the whole step: stage/rl_step_s
+
+
+def shared_wall(work_s: float, beside_s: float, slowdown: float) -> float:
+    """Wall time of ``work_s`` seconds of all-core work that starts beside a job running for
+    ``beside_s`` seconds: it runs ``slowdown`` times slower until that job ends, then on every
+    core (the demo's trainer takes the generation's thread back between micro-batches)."""
+    if work_s * slowdown <= beside_s:
+        return work_s * slowdown
+    return beside_s + work_s - beside_s / slowdown
+
+
+def shared_async_step(c: StageCosts, cores, fill_s: float = 0.0) -> SharedStepTimes:
+    """One step of the demo's asynchronous loop (async_lag=1) from its all-core stage costs.
+
+    The generation of the next step's rollouts runs for its whole length at its share of the
+    cores (cores.gen_slowdown); beside it the trainer does the policy update, then the adapter's
+    round, at cores.train_slowdown until the generation is done and on every core after; the
+    step ends when both are done, plus cores.boundary_s (the policy push and the launch).
+    ``fill_s``: the pipeline fill the first step waits for (its own rollouts, generated on
+    every core before the loop starts). ``cores``: a config.SharedCoresConfig.
+    """
+    gen = c.gen_s * cores.gen_slowdown
+    train = shared_wall(c.train_s, gen, cores.train_slowdown)
+    trainer = shared_wall(c.train_s + c.adapt_s, gen, cores.train_slowdown)
+    exposed = max(0.0, gen - trainer)
+    return SharedStepTimes(gen_s=gen, train_s=train, adapt_s=trainer - train, exposed_gen_s=exposed + fill_s,
+                           step_s=fill_s + trainer + exposed + cores.boundary_s)
+
+
+# ---------------------------------------------------------------------------------------------
 # a run: drift, adaptation, the configurations compared
 
 

@@ -7,10 +7,14 @@ Every key is optional: a run logs what it measured, and the reader keeps the res
     step                       -        RL step index
     policy_version             -        policy version that generated the step's rollouts
     stage/prepare_s            s        weight sync into the rollout engine
-    stage/gen_s                s        rollout generation (wall time of the generation stage)
+    stage/gen_s                s        rollout generation (wall time of the generation stage; in an
+                                        asynchronous run, of the generation beside the trainer)
+    stage/exposed_gen_s        s        how long the trainer waited for rollouts (= gen_s when sync)
     stage/logprob_s            s        logprob forward(s) of the learner
     stage/train_s              s        policy update (forward + backward + optimizer)
     stage/adapt_s              s        draft side-trainer time spent in this step
+    stage/rl_step_s            s        wall time of the whole RL step (the demo: from one policy
+                                        version to the next, its measurement arms left out)
     accept/length              tokens   mean tokens per verify step, bonus included (1 + accepted/drafts)
     accept/pos_0 .. pos_{k-1}  -        P(draft positions 0..i all accepted) (vLLM per-position counters / drafts)
     accept/simulated_length    tokens   acceptance length computed offline from target and draft probabilities
@@ -63,6 +67,8 @@ class StepRecord:
     logprob_s: float | None = _logged("stage/logprob_s")
     train_s: float | None = _logged("stage/train_s")
     adapt_s: float | None = _logged("stage/adapt_s")
+    exposed_gen_s: float | None = _logged("stage/exposed_gen_s")
+    rl_step_s: float | None = _logged("stage/rl_step_s")
     accept_pos: list[float] | None = None  # [k] when logged, from accept/pos_0 .. pos_{k-1}
     extra: dict = field(default_factory=dict)
 

@@ -258,3 +258,54 @@ def test_ngram_step_pays_host_matching_per_context_token():
         assert spec_step_s(m, 32, ctx, 3) - spec_step_s(plain, 32, ctx, 3) == pytest.approx(100e-9 * ctx)
     eagle = engine_model(small("engine.ngram_ns_per_token=100"))  # Eagle-3 ignores it
     assert spec_step_s(eagle, 32, 1e5, 3) == spec_step_s(engine_model(small()), 32, 1e5, 3)
+
+
+# --- asynchronous steps on shared cores (the demo) ----------------------------------------
+
+
+def test_shared_wall_runs_slow_beside_the_other_job_then_on_every_core():
+    from draftadapt.sim.model import shared_wall
+
+    assert shared_wall(3.0, 0.0, 2.0) == 3.0  # nothing beside it: all cores from the start
+    assert shared_wall(3.0, 10.0, 2.0) == 6.0  # the other job outlasts it: slow all along
+    # 4 s beside at half speed do 2 s of work; the 1 s left runs on every core
+    assert shared_wall(3.0, 4.0, 2.0) == pytest.approx(5.0)
+    assert shared_wall(3.0, 6.0, 2.0) == pytest.approx(6.0)  # the two cases meet
+    assert shared_wall(3.0, 4.0, 1.0) == 3.0  # no slowdown: sharing costs nothing
+
+
+def test_shared_async_step_exposes_only_the_generation_that_outlasts_the_trainer():
+    from draftadapt.sim.config import SharedCoresConfig
+    from draftadapt.sim.model import StageCosts, shared_async_step
+
+    cores = SharedCoresConfig(gen_slowdown=1.5, train_slowdown=2.0, boundary_s=0.1)
+    # training-bound: gen 3 s beside; train 1.5 s of work -> 3 s (still beside) + 0.5 s of work
+    st = shared_async_step(StageCosts(gen_s=2.0, train_s=2.0, adapt_s=0.5), cores)
+    assert st.gen_s == pytest.approx(3.0)
+    assert st.train_s == pytest.approx(3.0 + 2.0 - 1.5)
+    assert st.adapt_s == pytest.approx(0.5)  # after the generation: every core
+    assert st.exposed_gen_s == 0.0
+    assert st.step_s == pytest.approx(st.train_s + st.adapt_s + 0.1)
+    # generation-bound: the trainer waits for the rest of the generation
+    st = shared_async_step(StageCosts(gen_s=4.0, train_s=1.0, adapt_s=0.5), cores)
+    assert st.gen_s == pytest.approx(6.0) and st.train_s == pytest.approx(2.0)
+    assert st.adapt_s == pytest.approx(1.0)  # beside the generation too
+    assert st.exposed_gen_s == pytest.approx(3.0)
+    assert st.step_s == pytest.approx(6.0 + 0.1)
+    # the last step: nothing beside the trainer; the first: the fill is exposed on top
+    st = shared_async_step(StageCosts(gen_s=0.0, train_s=2.0, adapt_s=0.5), cores)
+    assert st.step_s == pytest.approx(2.6) and st.exposed_gen_s == 0.0
+    first = shared_async_step(StageCosts(gen_s=2.0, train_s=2.0, adapt_s=0.5), cores, fill_s=1.7)
+    steady = shared_async_step(StageCosts(gen_s=2.0, train_s=2.0, adapt_s=0.5), cores)
+    assert first.step_s == pytest.approx(steady.step_s + 1.7)
+    assert first.exposed_gen_s == pytest.approx(1.7)
+
+
+def test_shared_cores_config_rejects_nonsense():
+    from draftadapt.config import ConfigError
+    from draftadapt.sim.config import SharedCoresConfig
+
+    with pytest.raises(ConfigError, match="cores.gen_slowdown=0"):
+        SharedCoresConfig(gen_slowdown=0.0).validate()
+    with pytest.raises(ConfigError, match="negative"):
+        SharedCoresConfig(boundary_s=-1.0).validate()

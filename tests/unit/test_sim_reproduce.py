@@ -153,3 +153,34 @@ def test_simulate_calibrates_to_telemetry_first(capsys):
     assert fit["params"]["workload.sigma"] == pytest.approx(1.189, rel=0.05)  # the sample's truth
     assert fit["rms_rel_err"] < 0.03 and set(fit["rms_rel_err_by_stage"]) >= {"gen_s", "train_s"}
     assert run(recipe, ["calibration.telemetry=missing.jsonl"]) == 2
+
+
+def test_reproduce_script_gates_the_demos_async_step():
+    """Issue 18 item 5: the demo's async step time predicted within 15%, from the committed
+    telemetry by default and from another run's with slowdowns given (nothing fitted)."""
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "sim_reproduce.py")],
+                          capture_output=True, text=True, timeout=300)
+    demo = [line for line in proc.stdout.splitlines() if " demo.async.step_s " in line]
+    assert proc.returncode == 0 and len(demo) == 4, proc.stdout + proc.stderr
+    assert all(line.rstrip().endswith(" ok") for line in demo)
+    async_path, sync_path = (str(ROOT / "recipes" / f"demo_{k}_telemetry.jsonl") for k in ("async", "sync"))
+    demo_only = ["--demo-async", async_path, "--demo-sync", sync_path, str(ROOT / "recipes" / "sim_qwen3_8b_sync.yaml")]
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "sim_reproduce.py"), *demo_only,
+                           "--demo-cores", "1.44,2.27,0.16"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "sync costs: steady steps, given s" in proc.stdout, proc.stdout + proc.stderr
+    assert "none fitted" in proc.stdout
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "sim_reproduce.py"), *demo_only,
+                           "--demo-cores", "3,3,2"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and "OFF" in proc.stdout
+
+
+def test_reproduce_script_refuses_a_sync_run_from_another_world(tmp_path):
+    lines = (ROOT / "recipes" / "demo_sync_telemetry.jsonl").read_text().splitlines()
+    first = json.loads(lines[0])
+    first["rl/reward"] += 0.25
+    other = tmp_path / "sync.jsonl"
+    other.write_text("\n".join([json.dumps(first)] + lines[1:]) + "\n")
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "sim_reproduce.py"), "--demo-async",
+                           str(ROOT / "recipes" / "demo_async_telemetry.jsonl"), "--demo-sync", str(other)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "not the same world and seed" in proc.stderr, proc.stdout + proc.stderr

@@ -78,3 +78,16 @@ def test_round_trip():
            "accept/length": 2.7, "accept/pos_0": 0.8, "accept/pos_1": 0.55, "accept/pos_2": 0.35,
            "spec/k": 3, "gen/tokens": 123456, "gen/num_seqs": 512, "draft/version": 2, "swap/ms": 21.0}
     assert to_json(parse_record(obj)) == obj
+
+
+def test_the_demos_async_stages_are_read():
+    """The demo's async rows (docs/design.md "The demo's step on shared cores")."""
+    obj = {"step": 2, "stage/gen_s": 3.6, "stage/exposed_gen_s": 0.0, "stage/train_s": 5.3,
+           "stage/adapt_s": 0.3, "stage/rl_step_s": 5.8, "async/trainer_version": 1.0,
+           "async/rollout_version": 0.0}
+    rec = parse_record(obj)
+    assert rec.exposed_gen_s == 0.0 and rec.rl_step_s == 5.8
+    assert rec.extra == {"async/trainer_version": 1.0, "async/rollout_version": 0.0}
+    assert to_json(rec) == obj
+    demo = read_telemetry(Path(__file__).resolve().parents[2] / "recipes" / "demo_async_telemetry.jsonl")
+    assert all(r.rl_step_s > 0 and r.exposed_gen_s is not None for r in demo)
