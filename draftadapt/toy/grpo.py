@@ -137,12 +137,6 @@ class DemoConfig:
     # policy update and the adapter): together no more than the cores, or their OpenMP threads
     # spin against each other (5-7x slower here). The arms are measured with engine_threads.
     async_threads: int = 1
-    # Adapter rounds in async mode: every this many steps (it stands in for
-    # adapter.schedule.every_n_steps there). The candidates learn from rollouts L versions older
-    # than the synchronous loop's; at the synchronous demo's every other step they fell behind
-    # the drift (last third 1.14x the frozen draft, against 1.32x every step: docs/design.md,
-    # "Asynchronous RL").
-    async_adapter_every: int = 1
     # a finished synchronous run (async_lag=0, spec=true) on the same world: an async run's summary
     # sets its step time beside its own
     sync: str | None = None
@@ -157,8 +151,6 @@ class DemoConfig:
         if self.async_lag and self.adapter_background:
             raise ConfigError("async_lag already runs the adapter's round beside the generation; drop "
                               "adapter_background=true")
-        if self.async_adapter_every < 1:
-            raise ConfigError(f"async_adapter_every={self.async_adapter_every}: give the steps between adapter rounds (>= 1)")
         if self.async_threads < 1:
             raise ConfigError(f"async_threads={self.async_threads}: give at least 1 torch thread per job")
         if self.sync and not self.async_lag:
@@ -392,10 +384,7 @@ def run(cfg: DemoConfig) -> dict:
     # contend for this interpreter's lock (docs/design.md, "Asynchronous RL")
     rl_engine = EngineProcess if cfg.async_lag else RolloutEngine
     if cfg.spec:
-        adapter_cfg = cfg.adapter
-        if cfg.async_lag:
-            adapter_cfg = replace(adapter_cfg, schedule=replace(adapter_cfg.schedule, every_n_steps=cfg.async_adapter_every))
-        adapter = DraftAdapter(toy, draft0, out / "drafts", adapter_cfg)  # its metrics land in our row
+        adapter = DraftAdapter(toy, draft0, out / "drafts", cfg.adapter)  # its metrics land in our row
         spec = rl_engine(toy, draft0, method="eagle3", num_speculative_tokens=cfg.k,
                          threads=cfg.engine_threads, seed=cfg.seed)
     plain = (RolloutEngine if cfg.spec else rl_engine)(toy, None, threads=cfg.engine_threads, seed=cfg.seed)
