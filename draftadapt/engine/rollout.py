@@ -40,6 +40,16 @@ from draftadapt.metrics.acceptance import AcceptanceStats
 WORKER_EXT = "draftadapt.engine.worker_ext.DraftAdaptWorkerExtension"
 
 
+# vLLM's drafters that need no draft model, and the settings draftadapt serves them with:
+# n-gram prompt lookup (matches of 2 to 4 tokens in the prompt and output so far) and suffix
+# decoding (suffix trees over this request's and earlier responses; needs the arctic-inference
+# package, docs/design.md "Model-free baselines")
+MODEL_FREE_METHODS: dict[str, dict[str, Any]] = {
+    "ngram": {"prompt_lookup_min": 2, "prompt_lookup_max": 4},
+    "suffix": {},
+}
+
+
 class DraftSwapError(RuntimeError):
     """A draft that could not be swapped in; the engine still serves the previous one."""
 
@@ -178,8 +188,10 @@ class RolloutEngine:
 
         rng_before = (random.getstate(), np.random.get_state(), torch.get_rng_state())
         self.target = Path(target)
-        self.method = method if draft is not None else None
-        self.k = num_speculative_tokens if draft is not None else 0
+        # model-free drafters (no draft= at all): the proposer reads the prompt and output so far
+        model_free = draft is None and method in MODEL_FREE_METHODS
+        self.method = method if draft is not None or model_free else None
+        self.k = num_speculative_tokens if draft is not None or model_free else 0
         # Checks that vLLM would otherwise fail on late and cryptically (or not at all); the
         # target's identity is what every swapped-in draft is held against.
         self._target_fp = target_fingerprint(self.target)
@@ -216,6 +228,8 @@ class RolloutEngine:
         spec = None
         if draft is not None:
             spec = spec_method.speculative_config(draft, num_speculative_tokens, max_model_len)
+        elif model_free:
+            spec = {"method": method, "num_speculative_tokens": num_speculative_tokens, **MODEL_FREE_METHODS[method]}
         if spec is not None and k_schedule is not None:
             spec["num_speculative_tokens_per_batch_size"] = [tuple(int(v) for v in r) for r in k_schedule]
         t0 = time.perf_counter()
