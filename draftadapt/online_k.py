@@ -114,7 +114,8 @@ class OnlineK:
         and the engine's k), ``cfg.calibrate_tokens`` tokens for each calibration batch size of
         ``prompts`` (reused in order when there are fewer). The k = 0 cost is this engine's (its
         drafter's first pass still runs, docs/design.md "Online k"), not a plain engine's. The
-        k_max generations also give the first acceptance counts. The engine's table is put back."""
+        k_max generations also give the first acceptance counts; the engine then serves the
+        table they choose (its own table again if the calibration fails)."""
         cfg = cfg or OnlineKConfig()
         cfg.validate()
         before = engine.k_schedule
@@ -128,6 +129,7 @@ class OnlineK:
         pool = [prompts[i % len(prompts)] for i in range(max(bss))]
         points, counts = [], AcceptanceStats(k_max)
         t0 = time.perf_counter()
+        done = False
         try:
             for k in sorted({0, 1, k_max}):
                 engine.set_k_schedule([(1, engine.max_num_seqs, k)])
@@ -149,8 +151,11 @@ class OnlineK:
                             best = res
                     length = best.spec.length if k else 1.0
                     points.append((k, b, step_seconds(b, best.tokens_per_s, length)))
+            online = cls(fit_step_costs(points), engine.max_num_seqs, k_max, cfg.decay, counts)
+            engine.set_k_schedule(online.choose())
+            done = True
         finally:
-            engine.set_k_schedule(before)
-        online = cls(fit_step_costs(points), engine.max_num_seqs, k_max, cfg.decay, counts)
+            if not done:
+                engine.set_k_schedule(before)
         online.calibrate_s = time.perf_counter() - t0
         return online

@@ -129,7 +129,9 @@ class AcceptanceStats:
         if self.drafted_per_pos and len(self.drafted_per_pos) != self.k:
             raise ValueError(f"{len(self.drafted_per_pos)} per-position draft counts for k={self.k}")
 
-    def _drafted(self, k: int) -> list[float]:
+    def drafts_per_position(self, k: int | None = None) -> list[float]:
+        """Drafts that reached each of the first ``k`` positions (default: this k)."""
+        k = self.k if k is None else k
         if not self.drafted_per_pos:
             return [self.drafts] * k
         return list(self.drafted_per_pos) + [0] * (k - len(self.drafted_per_pos))
@@ -141,7 +143,7 @@ class AcceptanceStats:
         pad = lambda v: list(v) + [0] * (k - len(v))  # noqa: E731  an engine that has not drafted yet
         drafted = []
         if self.drafted_per_pos or other.drafted_per_pos:
-            drafted = [a + b for a, b in zip(self._drafted(k), other._drafted(k))]
+            drafted = [a + b for a, b in zip(self.drafts_per_position(k), other.drafts_per_position(k))]
         return AcceptanceStats(k, self.drafts + other.drafts,
                                [a + b for a, b in zip(pad(self.accepted_per_pos), pad(other.accepted_per_pos))],
                                self.draft_tokens + other.draft_tokens, drafted)
@@ -175,7 +177,7 @@ class AcceptanceStats:
         draft of every length up to k would see, also when drafts of several lengths mix (a
         per-batch-size k table, where ``per_position`` under-counts the later positions). The
         same as ``per_position`` when every draft had k positions."""
-        return [a / d if d else float("nan") for a, d in zip(self.accepted_per_pos, self._drafted(self.k))]
+        return [a / d if d else float("nan") for a, d in zip(self.accepted_per_pos, self.drafts_per_position(self.k))]
 
     # The engine's names for the same two rates, kept for callers written against them.
     acceptance_length = length
