@@ -35,6 +35,7 @@ from draftadapt.drafts.formats import (
     target_fingerprint,
 )
 from draftadapt.drafts.methods import check_serves, method_for
+from draftadapt.engine.cpu_fix import guard_llvmlite_lib
 from draftadapt.metrics.acceptance import AcceptanceStats
 
 WORKER_EXT = "draftadapt.engine.worker_ext.DraftAdaptWorkerExtension"
@@ -232,6 +233,7 @@ class RolloutEngine:
             spec = {"method": method, "num_speculative_tokens": num_speculative_tokens, **MODEL_FREE_METHODS[method]}
         if spec is not None and k_schedule is not None:
             spec["num_speculative_tokens_per_batch_size"] = [tuple(int(v) for v in r) for r in k_schedule]
+        guard_llvmlite_lib()
         t0 = time.perf_counter()
         try:
             self.llm = LLM(
