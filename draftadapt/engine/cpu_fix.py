@@ -85,5 +85,5 @@ def guard_llvmlite_lib() -> None:
     ffi = sys.modules.get("llvmlite.binding.ffi")
     fntab = getattr(getattr(ffi, "lib", None), "_fntab", None)
     if isinstance(fntab, dict):
-        fntab.setdefault("__dict__", {})
+        fntab["__dict__"] = {}  # also over a wrapper an earlier scan cached
 
