@@ -68,3 +68,22 @@ def register() -> None:
             dispatcher.register_kernels({_KERNEL: expand_kernel_impl})
     except Exception:
         pass
+
+
+def guard_llvmlite_lib() -> None:
+    """Let an in-process engine start after vLLM's n-gram proposer has run in this process.
+
+    vLLM 0.32's kernel-override scan on CPU (``triton_utils.dispatcher._rebind_kernels``, run at
+    every worker start) reads ``vars(value)`` of every module attribute. llvmlite's ``ffi.lib``
+    (imported once numba compiles something: the n-gram proposer does at start-up) answers any
+    attribute name, ``__dict__`` included, with a wrapped C function, and the scan fails with
+    "'_lib_fn_wrapper' object has no attribute 'get'". An entry for ``__dict__`` in its function
+    table makes it answer with an empty dict, which the scan skips. Called before each engine start.
+    """
+    import sys
+
+    ffi = sys.modules.get("llvmlite.binding.ffi")
+    fntab = getattr(getattr(ffi, "lib", None), "_fntab", None)
+    if isinstance(fntab, dict):
+        fntab["__dict__"] = {}  # also over a wrapper an earlier scan cached
+

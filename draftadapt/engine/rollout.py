@@ -35,9 +35,20 @@ from draftadapt.drafts.formats import (
     target_fingerprint,
 )
 from draftadapt.drafts.methods import check_serves, method_for
+from draftadapt.engine.cpu_fix import guard_llvmlite_lib
 from draftadapt.metrics.acceptance import AcceptanceStats
 
 WORKER_EXT = "draftadapt.engine.worker_ext.DraftAdaptWorkerExtension"
+
+
+# vLLM's drafters that need no draft model, and the settings draftadapt serves them with:
+# n-gram prompt lookup (matches of 2 to 4 tokens in the prompt and output so far) and suffix
+# decoding (suffix trees over this request's and earlier responses; needs the arctic-inference
+# package, docs/design.md "Model-free baselines")
+MODEL_FREE_METHODS: dict[str, dict[str, Any]] = {
+    "ngram": {"prompt_lookup_min": 2, "prompt_lookup_max": 4},
+    "suffix": {},
+}
 
 
 class DraftSwapError(RuntimeError):
@@ -92,7 +103,8 @@ class _SpecCounter:
         if stats is None:
             return
         per = [int(v) for v in stats.num_accepted_tokens_per_pos]
-        self.totals += AcceptanceStats(len(per), int(stats.num_drafts), per, int(stats.num_draft_tokens))
+        drafted = [int(v) for v in getattr(stats, "num_draft_tokens_per_pos", [])]
+        self.totals += AcceptanceStats(len(per), int(stats.num_drafts), per, int(stats.num_draft_tokens), drafted)
 
     def log_engine_initialized(self):
         pass
@@ -151,6 +163,7 @@ class RolloutEngine:
         block_size: int | None = None,
         dtype: str | torch.dtype | None = None,
         logprobs_mode: str = "raw_logprobs",
+        k_schedule: Sequence[tuple[int, int, int]] | None = None,
     ):
         """``in_process`` runs vLLM's engine core and worker in this process (uni executor)
         instead of two child processes; None = on CPU only. ``block_size``: KV cache block in
@@ -163,7 +176,11 @@ class RolloutEngine:
         (scripts/bench_engine.py, 32 and 64 prompts): 1.1-1.6x the tokens/s of the multiprocess
         engine without speculation and ~1.5x with it, because the engine core otherwise spins on one core
         waiting for the worker, which then gets the other core alone. ``threads`` is then this
-        process's torch thread count while the engine runs (None: vLLM's choice)."""
+        process's torch thread count while the engine runs (None: vLLM's choice).
+        ``k_schedule``: vLLM's per-batch-size draft length, inclusive (batch_from, batch_to, k)
+        ranges from 1, each k at most ``num_speculative_tokens`` (0 = no draft at that batch
+        size); an engine started with one can change it between generations
+        (:meth:`set_k_schedule`, docs/design.md "Online k"). None: k at every batch size."""
         # vLLM's import and start-up seed and draw from the global python, numpy and torch RNGs:
         # the host's streams continue as if no engine had started (requests use their own seeds).
         import random
@@ -172,8 +189,10 @@ class RolloutEngine:
 
         rng_before = (random.getstate(), np.random.get_state(), torch.get_rng_state())
         self.target = Path(target)
-        self.method = method if draft is not None else None
-        self.k = num_speculative_tokens if draft is not None else 0
+        # model-free drafters (no draft= at all): the proposer reads the prompt and output so far
+        model_free = draft is None and method in MODEL_FREE_METHODS
+        self.method = method if draft is not None or model_free else None
+        self.k = num_speculative_tokens if draft is not None or model_free else 0
         # Checks that vLLM would otherwise fail on late and cryptically (or not at all); the
         # target's identity is what every swapped-in draft is held against.
         self._target_fp = target_fingerprint(self.target)
@@ -214,6 +233,11 @@ class RolloutEngine:
         spec = None
         if draft is not None:
             spec = spec_method.speculative_config(draft, num_speculative_tokens, max_model_len)
+        elif model_free:
+            spec = {"method": method, "num_speculative_tokens": num_speculative_tokens, **MODEL_FREE_METHODS[method]}
+        if spec is not None and k_schedule is not None:
+            spec["num_speculative_tokens_per_batch_size"] = [tuple(int(v) for v in r) for r in k_schedule]
+        guard_llvmlite_lib()
         t0 = time.perf_counter()
         try:
             self.llm = LLM(
@@ -240,6 +264,8 @@ class RolloutEngine:
         # in-process engine, else what they were before.
         torch.set_num_threads(threads if in_process and threads is not None else threads_before)
         self.in_process = in_process
+        self.max_num_seqs = max_num_seqs
+        self._k_schedule = [tuple(int(v) for v in r) for r in k_schedule] if spec is not None and k_schedule else None
         if in_process:
             _LIVE_IN_PROCESS.add(self)
         self.startup_s = time.perf_counter() - t0
@@ -314,6 +340,36 @@ class RolloutEngine:
                 lps = [float(step[tok].logprob) for step, tok in zip(c.logprobs, c.token_ids)]
             rollouts.append(Rollout(list(o.prompt_token_ids), list(c.token_ids), c.text, lps, c.finish_reason))
         return GenerateResult(rollouts, spec, seconds)
+
+    # ------------------------------------------------------------------ draft length
+
+    @property
+    def k_schedule(self) -> list[tuple[int, int, int]] | None:
+        """The per-batch-size k table the engine drafts by now (None: ``k`` at every batch size)."""
+        return None if self._k_schedule is None else list(self._k_schedule)
+
+    def set_k_schedule(self, schedule: Sequence[tuple[int, int, int]]) -> None:
+        """Change the per-batch-size k table in place, between generations: vLLM's scheduler
+        looks the k up in a dense batch-size table every step and the model runner drafts that
+        many (docs/design.md, "Online k"). Needs an in-process engine started with a
+        ``k_schedule``; k above the engine's ``num_speculative_tokens`` is capped to it, as
+        vLLM does at start-up."""
+        if self._k_schedule is None:
+            raise ValueError("this engine was started without a k schedule; start it with "
+                             f"RolloutEngine(..., num_speculative_tokens=K_MAX, k_schedule=[(1, {self.max_num_seqs}, K)])")
+        if not self.in_process:
+            # the scheduler lives in the engine-core process; vLLM's utility calls reach only
+            # EngineCore's own methods, none of which sets it
+            raise ValueError("set_k_schedule needs an in-process engine (in_process=True): a multiprocess "
+                             "engine's scheduler is in another process")
+        from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
+
+        rows = [tuple(int(v) for v in r) for r in schedule]
+        dense = build_dynamic_sd_schedule_lookup(rows, self.max_num_seqs, self.k)  # validates as at start-up
+        core = self.llm.llm_engine.engine_core.engine_core
+        core.scheduler.dynamic_sd_lookup[:] = dense
+        core.vllm_config.speculative_config.num_speculative_tokens_per_batch_size = rows
+        self._k_schedule = rows
 
     # ------------------------------------------------------------------ draft swap
 

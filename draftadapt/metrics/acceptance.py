@@ -114,6 +114,10 @@ class AcceptanceStats:
     drafts: float = 0  # drafting starts (vLLM: verification steps that carried a draft)
     accepted_per_pos: list[float] = field(default_factory=list)  # [k]
     draft_tokens: float = 0  # proposed tokens (vLLM's counter; 0 when simulated)
+    # drafts that reached position i (vLLM's num_draft_tokens_per_pos). With one k for every
+    # draft it is [drafts] * k and may stay empty (which means that); with a per-batch-size k
+    # table drafts of several lengths mix and fewer reach the later positions.
+    drafted_per_pos: list[float] = field(default_factory=list)
 
     def __post_init__(self):
         if not self.accepted_per_pos:
@@ -122,20 +126,37 @@ class AcceptanceStats:
             self.k = len(self.accepted_per_pos)
         elif len(self.accepted_per_pos) != self.k:
             raise ValueError(f"{len(self.accepted_per_pos)} per-position counts for k={self.k}")
+        if self.drafted_per_pos and len(self.drafted_per_pos) != self.k:
+            raise ValueError(f"{len(self.drafted_per_pos)} per-position draft counts for k={self.k}")
+
+    def drafts_per_position(self, k: int | None = None) -> list[float]:
+        """Drafts that reached each of the first ``k`` positions (default: this k)."""
+        k = self.k if k is None else k
+        if not self.drafted_per_pos:
+            return [self.drafts] * k
+        return list(self.drafted_per_pos) + [0] * (k - len(self.drafted_per_pos))
 
     def __add__(self, other: "AcceptanceStats") -> "AcceptanceStats":
         k = self.k or other.k
         if other.k not in (0, k):
             raise ValueError(f"cannot add acceptance stats for k={self.k} and k={other.k}")
         pad = lambda v: list(v) + [0] * (k - len(v))  # noqa: E731  an engine that has not drafted yet
+        drafted = []
+        if self.drafted_per_pos or other.drafted_per_pos:
+            drafted = [a + b for a, b in zip(self.drafts_per_position(k), other.drafts_per_position(k))]
         return AcceptanceStats(k, self.drafts + other.drafts,
                                [a + b for a, b in zip(pad(self.accepted_per_pos), pad(other.accepted_per_pos))],
-                               self.draft_tokens + other.draft_tokens)
+                               self.draft_tokens + other.draft_tokens, drafted)
 
     def __sub__(self, earlier: "AcceptanceStats") -> "AcceptanceStats":
         """The counts between two snapshots of one engine's cumulative counters."""
         return self + AcceptanceStats(earlier.k, -earlier.drafts, [-a for a in earlier.accepted_per_pos],
-                                      -earlier.draft_tokens)
+                                      -earlier.draft_tokens, [-d for d in earlier.drafted_per_pos])
+
+    def scaled(self, factor: float) -> "AcceptanceStats":
+        """Every count times ``factor`` (a decayed sum: older counts weigh less, rates unchanged)."""
+        return AcceptanceStats(self.k, self.drafts * factor, [a * factor for a in self.accepted_per_pos],
+                               self.draft_tokens * factor, [d * factor for d in self.drafted_per_pos])
 
     @property
     def accepted_tokens(self) -> float:
@@ -149,6 +170,14 @@ class AcceptanceStats:
     @property
     def per_position(self) -> list[float]:
         return [a / self.drafts if self.drafts else float("nan") for a in self.accepted_per_pos]
+
+    @property
+    def reached_rates(self) -> list[float]:
+        """P(positions 0..i all accepted) among the drafts that reached position i: the rates a
+        draft of every length up to k would see, also when drafts of several lengths mix (a
+        per-batch-size k table, where ``per_position`` under-counts the later positions). The
+        same as ``per_position`` when every draft had k positions."""
+        return [a / d if d else float("nan") for a, d in zip(self.accepted_per_pos, self.drafts_per_position(self.k))]
 
     # The engine's names for the same two rates, kept for callers written against them.
     acceptance_length = length

@@ -136,3 +136,57 @@ def choose_k(tokens_per_s: dict[tuple[int, int], float]) -> dict[int, int]:
         if b not in best or tps > best[b][0]:
             best[b] = (tps, k)
     return {b: k for b, (_, k) in sorted(best.items())}
+
+
+# vLLM's num_speculative_tokens_per_batch_size: inclusive (batch_from, batch_to, k) ranges that
+# start at 1; the engine drafts k tokens at a step whose running batch falls in the range.
+KSchedule = list[tuple[int, int, int]]
+
+
+def best_k_per_batch(model: StepCostModel, per_position: list[float], max_batch: int,
+                     k_max: int | None = None) -> list[int]:
+    """The k in 0..k_max with the most predicted tokens/s at every batch size 1..max_batch (a
+    tie to the smaller k): element b - 1 is the k for b sequences. ``per_position``: rates
+    measured at k >= k_max (``AcceptanceStats.reached_rates``); a nan rate (a position no draft
+    reached) counts as 0. A k whose predicted step cost is not positive (the linear cost model
+    extrapolated too far below the smallest measured batch) is not chosen."""
+    k_max = len(per_position) if k_max is None else k_max
+    if k_max > len(per_position):
+        raise ValueError(f"k_max={k_max} needs per-position rates for {k_max} positions, got {len(per_position)}")
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be >= 1 (got {max_batch})")
+    rates = [r if np.isfinite(r) else 0.0 for r in per_position]
+    out = []
+    for b in range(1, max_batch + 1):
+        best, best_k = -np.inf, 0
+        for k in range(k_max + 1):
+            c = step_cost(model, k, b)
+            if not c > 0:
+                continue
+            tps = b * acceptance_length_at(rates, k) / c
+            if tps > best:
+                best, best_k = tps, k
+        out.append(best_k)
+    return out
+
+
+def as_schedule(ks: list[int]) -> KSchedule:
+    """[k for b = 1, 2, ...] -> vLLM's ranges: one (batch_from, batch_to, k) per run of equal k."""
+    if not ks:
+        raise ValueError("no batch sizes to make a k schedule of")
+    out: KSchedule = []
+    for b, k in enumerate(ks, start=1):
+        if out and out[-1][2] == k:
+            out[-1] = (out[-1][0], b, k)
+        else:
+            out.append((b, b, k))
+    return out
+
+
+def k_at(schedule: KSchedule, batch_size: int) -> int:
+    """The k a schedule gives ``batch_size`` sequences (the last range's k past its end, as vLLM)."""
+    k = schedule[0][2]
+    for lo, _, rk in schedule:
+        if batch_size >= lo:
+            k = rk
+    return k

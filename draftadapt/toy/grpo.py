@@ -25,7 +25,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -36,6 +36,7 @@ from draftadapt.drafts.formats import META_FILE
 from draftadapt.engine.remote import EngineProcess
 from draftadapt.engine.rollout import DraftSwapError, RolloutEngine
 from draftadapt.metrics.logger import make_logger
+from draftadapt.online_k import OnlineK, OnlineKConfig, schedule_text
 from draftadapt.train.trainer import torch_threads
 from draftadapt.toy import PRETRAIN_RECIPE, task
 
@@ -140,6 +141,17 @@ class DemoConfig:
     # a finished synchronous run (async_lag=0, spec=true) on the same world: an async run's summary
     # sets its step time beside its own
     sync: str | None = None
+    # The speculative engine's draft length: "fixed" drafts k tokens at every step; "online"
+    # starts it at online_k.k_max with vLLM's per-batch-size k table, measures its step costs at
+    # start and re-chooses the table after every RL step from the RL batch's own acceptance
+    # counters, 0 where no draft pays (docs/design.md, "Online k"). The frozen arm is measured
+    # under the same table.
+    k_policy: Literal["fixed", "online"] = "fixed"
+    online_k: OnlineKConfig = field(default_factory=OnlineKConfig)
+    # Model-free drafters measured on the eval prompts every step beside the other arms, each in
+    # its own engine at k: "ngram" (vLLM's prompt lookup), "suffix" (suffix decoding; needs the
+    # arctic-inference package, docs/design.md "Model-free baselines")
+    baselines: list[Literal["ngram", "suffix"]] = field(default_factory=list)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     adapter: AdapterConfig = field(default_factory=toy_adapter)
@@ -316,6 +328,8 @@ class Run:
     rng: random.Random
     history: list[dict]
     arms: dict[str, list[dict]]
+    baselines: dict[str, RolloutEngine] = field(default_factory=dict)  # model-free drafters, by name
+    online_k: OnlineK | None = None  # k_policy=online: re-chooses the speculative engine's k table
 
 
 def record_step(r: Run, row: dict, step: int, version: int, problems: list[dict]):
@@ -329,6 +343,10 @@ def record_step(r: Run, row: dict, step: int, version: int, problems: list[dict]
         m_plain, m_frozen, m_adapted = measure_arms(plain, spec, r.draft0, r.eval_prompts, cfg, step)
         for name, m in (("plain", m_plain), ("frozen", m_frozen), ("adapted", m_adapted)):
             r.arms[name].append(m)
+        for name, engine in r.baselines.items():
+            r.arms[name].append(measure(engine, r.eval_prompts, cfg))
+            row[f"accept/{name}_length"] = r.arms[name][-1]["acceptance_length"]
+            row[f"tps/{name}"] = r.arms[name][-1]["tokens_per_s"]
         row.update({
             "accept/length": m_adapted["acceptance_length"],
             "accept/frozen_length": m_frozen["acceptance_length"],
@@ -355,7 +373,9 @@ def record_step(r: Run, row: dict, step: int, version: int, problems: list[dict]
           f"acc {row['rl/accuracy']:.2f} style {row['rl/style_frac']:.2f} | {accept}"
           f"RL step {row['stage/rl_step_s']:.1f} s ({gen} train "
           f"{row['stage/train_s']:.1f} adapt {row['stage/adapt_s']:.2f})"
-          + (f" | draft v{int(row['draft/version'])}" if spec is not None else ""), flush=True)
+          + (f" | draft v{int(row['draft/version'])}" if spec is not None else "")
+          + "".join(f" | {name} {row[f'accept/{name}_length']:.2f}" for name in r.baselines)
+          + (f" | k {row.get('k/schedule', 'unchanged')}" if r.online_k is not None else ""), flush=True)
     return rl_batch
 
 
@@ -385,9 +405,13 @@ def run(cfg: DemoConfig) -> dict:
     rl_engine = EngineProcess if cfg.async_lag else RolloutEngine
     if cfg.spec:
         adapter = DraftAdapter(toy, draft0, out / "drafts", cfg.adapter)  # its metrics land in our row
-        spec = rl_engine(toy, draft0, method="eagle3", num_speculative_tokens=cfg.k,
-                         threads=cfg.engine_threads, seed=cfg.seed)
+        online = cfg.k_policy == "online"
+        spec = rl_engine(toy, draft0, method="eagle3", num_speculative_tokens=cfg.online_k.k_max if online else cfg.k,
+                         threads=cfg.engine_threads, seed=cfg.seed,
+                         k_schedule=[(1, 64, min(cfg.k, cfg.online_k.k_max))] if online else None)
     plain = (RolloutEngine if cfg.spec else rl_engine)(toy, None, threads=cfg.engine_threads, seed=cfg.seed)
+    baselines = {m: RolloutEngine(toy, None, method=m, num_speculative_tokens=cfg.k, threads=cfg.engine_threads,
+                                  seed=cfg.seed) for m in (cfg.baselines if cfg.spec else [])}
     rollout_engine = spec or plain  # what the RL step generates with
     eval_prompts = [p["prompt"] for p in task.load_heldout(toy)[: cfg.eval.prompts]]
     spool = None
@@ -399,11 +423,17 @@ def run(cfg: DemoConfig) -> dict:
     # vLLM lowers torch to one thread in this process when it starts; the engines idle while we
     # train, so the trainer takes the cores back.
     torch.set_num_threads(cfg.engine_threads)
+    online_k = None
+    if spec is not None and cfg.k_policy == "online":
+        online_k = OnlineK.calibrate(spec, eval_prompts, cfg.online_k, cfg.grpo.temperature, cfg.eval.seed)
+        print(f"[demo] online k: step costs measured in {online_k.calibrate_s:.1f} s, k table "
+              f"{schedule_text(spec.k_schedule)} (batch sizes:k)", flush=True)
     history: list[dict] = []
     arms = {"plain": [], "frozen": [], "adapted": []} if cfg.spec else {"plain": []}
+    arms.update({m: [] for m in baselines})
     rl_batch = None
     r = Run(cfg, policy, reference, opt, pad_id, logger, adapter, spec, plain, draft0, eval_prompts, spool, rng,
-            history, arms)
+            history, arms, baselines, online_k)
     t_start = time.perf_counter()
     round_due = False  # adapter_background: a round to start before the next generation
 
@@ -426,6 +456,9 @@ def run(cfg: DemoConfig) -> dict:
                 # what feeds the adapter's drift trigger (the eval arms below are not the step's)
                 adapter.report_measured(gen.spec.length)
                 row["accept/rl_batch_length"] = gen.spec.length
+            if online_k is not None:  # the same free counters re-choose the k table for what follows
+                row.update(online_k.update(spec, gen.spec))
+                row["k/schedule"] = schedule_text(spec.k_schedule)
             if spool is not None:
                 spool.write_rollouts(step, step, [r.prompt_token_ids for r in gen.rollouts],
                                      [r.token_ids for r in gen.rollouts])
@@ -443,6 +476,8 @@ def run(cfg: DemoConfig) -> dict:
             t_measure = time.perf_counter()
             if spec is not None:
                 plain.update_policy(weights, version=version)  # the no-speculation arm only
+                for engine in baselines.values():
+                    engine.update_policy(weights, version=version)
             if spool is not None:
                 spool.write_policy(version, weights, step=step)
             row["stage/measure_s"] = time.perf_counter() - t_measure
@@ -480,12 +515,15 @@ def run(cfg: DemoConfig) -> dict:
     finally:
         if adapter is not None:
             adapter.close()  # a background round still open is finished, not abandoned mid-write
-        for engine in (spec, plain):
+        for engine in (spec, plain, *baselines.values()):
             if engine is not None:
                 engine.close()
         logger.close()
 
     summary = summarize(cfg, history, arms, loop_seconds, fresh, rl_batch, baseline, sync)
+    if online_k is not None:
+        summary["online_k"] = {"calibrate_seconds": online_k.calibrate_s, "cost_model": online_k.model.to_dict(),
+                               "k_table_per_step": [h.get("k/schedule") for h in history]}
     summary["total_seconds"] = time.perf_counter() - t_run  # world setup + RL loop + fresh reference
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     if spec is not None:
@@ -579,6 +617,9 @@ def async_steps(r: Run):
                 row["async/fill_s"] = fill_s  # the first batch's generation, alone: part of the exposed time
             row["stage/gen_s"] = ready[step + lag][1].seconds if job is not None else 0.0
             engine.update_policy(weights, version=version)
+            if r.online_k is not None and job is not None:  # the newest batch's counters, the engine idle
+                row.update(r.online_k.update(engine, ready[step + lag][1].spec))
+                row["k/schedule"] = schedule_text(engine.k_schedule)
             if adapter is not None:
                 t0 = time.perf_counter()
                 row["draft/integrity_ok"] = float(adapter.check_integrity(engine))
@@ -596,6 +637,8 @@ def async_steps(r: Run):
             t_measure = time.perf_counter()
             if r.spec is not None:
                 r.plain.update_policy(weights, version=version)  # the no-speculation arm only
+                for baseline in r.baselines.values():
+                    baseline.update_policy(weights, version=version)
             if r.spool is not None:
                 r.spool.write_rollouts(step, sampled, [x.prompt_token_ids for x in gen.rollouts],
                                        [x.token_ids for x in gen.rollouts])
@@ -763,6 +806,9 @@ def summarize(cfg: DemoConfig, history: list[dict], arms: dict, seconds: float, 
         "adapted_over_frozen_acceptance": a["last_third_acceptance"] / f["last_third_acceptance"],
         "adapted_over_plain_tokens_per_s": a["last_third_tokens_per_s"] / p["last_third_tokens_per_s"],
     }
+    for name in sorted(set(s["arms"]) - {"plain", "frozen", "adapted"}):  # the model-free baselines
+        s["last_third"][f"{name}_over_plain_tokens_per_s"] = (s["arms"][name]["last_third_tokens_per_s"]
+                                                              / p["last_third_tokens_per_s"])
     if fresh is not None:
         s["fresh_final"] = fresh
         s["last_third"]["adapted_over_fresh_final_acceptance"] = a["last_third_acceptance"] / fresh["acceptance_length"]

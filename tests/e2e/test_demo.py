@@ -126,3 +126,32 @@ def flatten(d: dict, prefix: str = ""):
             yield from flatten(v, f"{prefix}{k}.")
         elif v is not None:
             yield f"{prefix}{k}", v
+
+
+def test_demo_online_k_and_the_ngram_arm(toy_target, tmp_path):
+    """k_policy=online: the engine's step costs measured at start, its k table re-chosen every
+    step (the step line and the summary say which); baselines=[ngram]: a model-free arm measured
+    every step beside the others."""
+    draft = init_draft(toy_target, "eagle3", tmp_path / "draft0", seed=0)
+    out = tmp_path / "demo"
+    cmd = [sys.executable, "-m", "draftadapt.cli", "demo", "--out", str(out), "--steps", "2", "--toy", str(toy_target),
+           f"draft={draft}", "grpo.prompts_per_step=4", "grpo.group_size=4", "eval.prompts=8", "grpo.max_tokens=32",
+           "eval.max_tokens=32", "fresh_final=false", "rl_batch_arms=false",
+           "k_policy=online", "online_k.batch_sizes=[1,8]", "online_k.calibrate_tokens=8", "online_k.repeats=1",
+           "baselines=[ngram]"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "[demo] online k: step costs measured in" in proc.stdout
+    steps = [line for line in proc.stdout.splitlines() if line.startswith("[demo] step")]
+    assert len(steps) == 2 and all(" | ngram " in line and " | k 1" in line for line in steps), steps
+    summary = json.loads((out / "summary.json").read_text())
+    ok = summary["online_k"]
+    assert len(ok["k_table_per_step"]) == 2 and ok["cost_model"]["batch_sizes"] == [1, 8]
+    assert all(t.startswith("1") for t in ok["k_table_per_step"])
+    assert ok["k_table_per_step"][-1] in steps[-1]
+    assert len(summary["arms"]["ngram"]["acceptance_length_per_step"]) == 2
+    assert summary["last_third"]["ngram_over_plain_tokens_per_s"] > 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    ks = [r for r in rows if "k/b1" in r]
+    assert len(ks) == 2 and all(0 <= r["k/b1"] <= 5 and 0 <= r["k/b8"] <= 5 for r in ks)
+    assert all(r["accept/ngram_length"] >= 1.0 for r in rows if "accept/ngram_length" in r)

@@ -28,3 +28,17 @@ def test_int_values_with_replacement_and_empty_requests():
     expand_kernel_impl(out, x, cu, -1, 9)
     assert out[:6].tolist() == reference_expand(x, cu, -1, 9) == [4, 7, 7, 7, 9, 9]
     assert out[6:].tolist() == [0, 0]  # nothing past the last request is touched
+
+
+def test_llvmlite_lib_answers_vars_with_a_dict_after_the_guard():
+    # vLLM's kernel-override scan calls vars() on every module attribute; llvmlite's ffi.lib
+    # (loaded once numba has compiled something, as the n-gram proposer does) answered it with a
+    # wrapped C function, and no in-process engine could start after an n-gram one
+    from llvmlite.binding import ffi
+
+    from draftadapt.engine.cpu_fix import guard_llvmlite_lib
+
+    ffi.lib._fntab.pop("__dict__", None)
+    assert not isinstance(vars(ffi.lib), dict)  # the failure the guard exists for
+    guard_llvmlite_lib()
+    assert vars(ffi.lib) == {} and vars(ffi.lib).get("kernel") is None

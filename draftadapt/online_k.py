@@ -1,0 +1,161 @@
+"""Online k: re-choose the draft length per batch size as acceptance moves during RL.
+
+    engine = RolloutEngine(policy, draft, num_speculative_tokens=5, k_schedule=[(1, 64, 3)])
+    online = OnlineK.calibrate(engine, prompts)      # a few seconds: this engine's step costs
+    for step in rl_steps:
+        result = engine.generate(prompts, ...)
+        online.update(engine, result.spec)          # the next generations draft the chosen k
+
+The engine is started at the largest k with vLLM's per-batch-size k table
+(``num_speculative_tokens_per_batch_size``); every update recomputes the acceptance length of
+each k from the engine's own per-position counters of the step just generated (free: the RL
+batch's ``GenerateResult.spec``), combines it with the step-cost model fitted at start
+(``metrics/kcost.py``) and writes the argmax k per batch size into the running engine's table,
+0 where no draft pays (docs/design.md, "Online k").
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from draftadapt.config import ConfigError
+from draftadapt.metrics.acceptance import AcceptanceStats
+from draftadapt.metrics.kcost import (
+    KSchedule,
+    StepCostModel,
+    as_schedule,
+    best_k_per_batch,
+    fit_step_costs,
+    k_at,
+    step_seconds,
+)
+
+
+@dataclass
+class OnlineKConfig:
+    k_max: int = 5  # the engine starts with this many speculative tokens; the table picks 0..k_max
+    # batch sizes the step costs are measured at, at start (capped at the engine's max_num_seqs);
+    # between them the cost model is linear in the batch size
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 8, 32, 64])
+    calibrate_tokens: int = 32  # response budget of each calibration generation
+    # generations per calibration cell; the fastest counts (a busy machine's noise only slows)
+    repeats: int = 2
+    # weight of the earlier steps' acceptance counts against the newest step's (a decayed sum:
+    # an RL batch holds thousands of drafts, so this smooths the policy's drift, not noise)
+    decay: float = 0.5
+
+    def validate(self) -> None:
+        if self.k_max < 1 or not self.batch_sizes or min(self.batch_sizes) < 1:
+            raise ConfigError(f"online_k: k_max >= 1 and batch sizes >= 1 (got k_max={self.k_max}, "
+                              f"batch_sizes={self.batch_sizes})")
+        if self.calibrate_tokens < 4 or self.repeats < 1 or not 0 <= self.decay < 1:
+            raise ConfigError(f"online_k: calibrate_tokens >= 4, repeats >= 1 and 0 <= decay < 1 (got "
+                              f"{self.calibrate_tokens}, {self.repeats}, {self.decay})")
+
+
+def schedule_text(schedule: KSchedule) -> str:
+    """'1-6:5 7-40:3 41-64:0': batch-size ranges and their k, for a log line."""
+    return " ".join(f"{lo}-{hi}:{k}" if lo != hi else f"{lo}:{k}" for lo, hi, k in schedule)
+
+
+class OnlineK:
+    """The acceptance counts (a decayed sum), the fitted step-cost model, and the k table they give."""
+
+    def __init__(self, model: StepCostModel, max_batch: int, k_max: int, decay: float = 0.5,
+                 counts: AcceptanceStats | None = None):
+        self.model = model
+        self.max_batch = max_batch
+        self.k_max = k_max
+        self.decay = decay
+        self.counts = counts if counts is not None else AcceptanceStats(k_max)
+        self.calibrate_s = 0.0
+
+    @property
+    def rates(self) -> list[float]:
+        """P(positions 0..i accepted) per position, from the decayed counts."""
+        return self.counts.reached_rates
+
+    def observe(self, spec: AcceptanceStats) -> None:
+        """Fold one generation's counters in (older ones weigh ``decay`` per step)."""
+        if spec.k and spec.k != self.k_max:
+            raise ValueError(f"acceptance counts for k={spec.k} from an engine started at k_max={self.k_max}")
+        self.counts = self.counts.scaled(self.decay) + spec
+
+    def choose(self) -> KSchedule:
+        """The k table for the current counts: the argmax k per batch size. At least one draft
+        token stays on for a single sequence, so the counters keep measuring the draft (an
+        adapted draft can become worth drafting again) at the cheapest place to draft."""
+        ks = best_k_per_batch(self.model, self.rates, self.max_batch, self.k_max)
+        if not any(ks):
+            ks[0] = 1
+        return as_schedule(ks)
+
+    def update(self, engine, spec: AcceptanceStats) -> dict[str, float]:
+        """Fold ``spec`` (the step's ``GenerateResult.spec``) in, re-choose, and write the table
+        into ``engine`` in place when it changed. Returns metrics: the k at each calibrated batch
+        size (``k/b<N>``), whether the table changed, and the rates the choice used."""
+        self.observe(spec)
+        schedule = self.choose()
+        changed = schedule != engine.k_schedule
+        if changed:
+            engine.set_k_schedule(schedule)
+        out = {f"k/b{b}": float(k_at(schedule, b)) for b in self.model.batch_sizes}
+        out["k/changed"] = float(changed)
+        out.update({f"k/rate_pos_{i}": r for i, r in enumerate(self.rates)})
+        return out
+
+    @classmethod
+    def calibrate(cls, engine, prompts: Sequence[str] | Sequence[Sequence[int]], cfg: OnlineKConfig | None = None,
+                  temperature: float = 1.0, seed: int = 0) -> "OnlineK":
+        """Fit the step-cost model on ``engine`` itself: its table set to one k at a time (0, 1
+        and the engine's k), ``cfg.calibrate_tokens`` tokens for each calibration batch size of
+        ``prompts`` (reused in order when there are fewer). The k = 0 cost is this engine's (its
+        drafter's first pass still runs, docs/design.md "Online k"), not a plain engine's. The
+        k_max generations also give the first acceptance counts; the engine then serves the
+        table they choose (its own table again if the calibration fails)."""
+        cfg = cfg or OnlineKConfig()
+        cfg.validate()
+        before = engine.k_schedule
+        if before is None:
+            raise ValueError("online k needs an engine started with a k table: RolloutEngine(..., "
+                             f"num_speculative_tokens={cfg.k_max}, k_schedule=[(1, MAX_NUM_SEQS, K)])")
+        if not prompts:
+            raise ValueError("online k calibration needs at least one prompt")
+        k_max = engine.k
+        bss = sorted({min(b, engine.max_num_seqs) for b in cfg.batch_sizes})
+        pool = [prompts[i % len(prompts)] for i in range(max(bss))]
+        points, counts = [], AcceptanceStats(k_max)
+        t0 = time.perf_counter()
+        done = False
+        try:
+            for k in sorted({0, 1, k_max}):
+                engine.set_k_schedule([(1, engine.max_num_seqs, k)])
+                for b in bss:
+                    best = None
+                    for _ in range(cfg.repeats):
+                        # a collector pass over the host's heap inside a sub-second timing would
+                        # land on whichever cell it hits
+                        gc.collect()
+                        gc.disable()
+                        try:
+                            res = engine.generate(pool[:b], temperature=temperature,
+                                                  max_tokens=cfg.calibrate_tokens, seed=seed)
+                        finally:
+                            gc.enable()
+                        if k == k_max:
+                            counts = counts + res.spec
+                        if best is None or res.tokens_per_s > best.tokens_per_s:
+                            best = res
+                    length = best.spec.length if k else 1.0
+                    points.append((k, b, step_seconds(b, best.tokens_per_s, length)))
+            online = cls(fit_step_costs(points), engine.max_num_seqs, k_max, cfg.decay, counts)
+            engine.set_k_schedule(online.choose())
+            done = True
+        finally:
+            if not done:
+                engine.set_k_schedule(before)
+        online.calibrate_s = time.perf_counter() - t0
+        return online

@@ -1,0 +1,84 @@
+"""Online k on a real engine: the per-batch-size k table changed in place between generations
+is what the engine drafts (its per-position counters show it), the output stays the target's,
+and OnlineK fits its step costs on the engine and writes its choice into it."""
+
+from __future__ import annotations
+
+import pytest
+
+from draftadapt.drafts.init import init_draft
+from draftadapt.metrics.kcost import k_at
+from draftadapt.online_k import OnlineK, OnlineKConfig
+
+from .conftest import start_engine, stop_engine, toy_prompts
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def table_engine(toy_target, tmp_path_factory):
+    # an untrained head: what is drafted (the counters per position) does not depend on what is accepted
+    draft = init_draft(toy_target, "eagle3", tmp_path_factory.mktemp("online_k") / "head", seed=0)
+    engine = start_engine(toy_target, draft, k=5, k_schedule=[(1, 64, 3)])
+    yield engine
+    stop_engine(engine)
+
+
+def drafted(engine, prompts):
+    res = engine.generate(prompts, temperature=0.0, max_tokens=16)
+    return res, res.spec.drafts_per_position(5) if res.spec.k else [0] * 5
+
+
+def test_the_k_served_follows_the_table_changed_in_place(table_engine, plain_engine, toy_target):
+    engine = table_engine
+    prompts = toy_prompts(toy_target, 8)
+    reference = plain_engine.generate(prompts, temperature=0.0, max_tokens=16)
+    assert engine.k == 5 and engine.k_schedule == [(1, 64, 3)]
+    res, d = drafted(engine, prompts)
+    assert d[0] > 0 and d[:3] == [d[0]] * 3 and d[3:] == [0, 0]  # 3 of the engine's 5 positions
+
+    engine.set_k_schedule([(1, 64, 1)])
+    res1, d = drafted(engine, prompts)
+    assert d[0] > 0 and d[1:] == [0, 0, 0, 0]
+
+    engine.set_k_schedule([(1, 64, 0)])  # speculation off in the speculative engine
+    res0, _ = drafted(engine, prompts)
+    assert res0.spec.drafts == 0
+
+    engine.set_k_schedule([(1, 64, 5)])
+    res5, d = drafted(engine, prompts)
+    assert d[0] > 0 and d == [d[0]] * 5
+
+    # per batch size: 5 tokens while at most 4 sequences run, 2 above
+    engine.set_k_schedule([(1, 4, 5), (5, 64, 2)])
+    assert engine.k_schedule == [(1, 4, 5), (5, 64, 2)]
+    _, d = drafted(engine, prompts[:3])
+    assert d[0] > 0 and d == [d[0]] * 5
+    resm, d = drafted(engine, prompts)
+    assert d[0] == d[1] > d[2] == d[3] == d[4]  # the 8-sequence steps drafted 2, the tail 5
+
+    # greedy decoding under every table is the target's own output
+    for r in (res, res1, res0, res5, resm):
+        assert [x.token_ids for x in r.rollouts] == [x.token_ids for x in reference.rollouts]
+
+    with pytest.raises(ValueError, match="started without a k schedule"):
+        plain_engine.set_k_schedule([(1, 64, 1)])
+    with pytest.raises(ValueError, match="start at 1"):
+        engine.set_k_schedule([(2, 64, 1)])
+    assert engine.k_schedule == [(1, 4, 5), (5, 64, 2)]  # a refused table leaves the live one
+
+
+def test_online_k_calibrates_on_the_engine_and_writes_its_choice(table_engine, toy_target):
+    engine = table_engine
+    engine.set_k_schedule([(1, 64, 3)])
+    prompts = toy_prompts(toy_target, 4)
+    online = OnlineK.calibrate(engine, prompts, OnlineKConfig(batch_sizes=[1, 4], calibrate_tokens=8, repeats=1))
+    assert engine.k_schedule == online.choose()  # the calibration's own choice serves from here
+    assert online.model.batch_sizes == [1, 4] and online.k_max == 5 and online.max_batch == 64
+    assert all(c > 0 for c in online.model.plain) and online.calibrate_s > 0
+    assert online.counts.drafts > 0  # the k_max calibration generations gave the first counts
+    res = engine.generate(prompts, temperature=1.0, max_tokens=16, seed=0)
+    metrics = online.update(engine, res.spec)
+    assert engine.k_schedule == online.choose()
+    assert metrics["k/b1"] == k_at(engine.k_schedule, 1) and metrics["k/b4"] == k_at(engine.k_schedule, 4)
+    assert 0 <= metrics["k/rate_pos_0"] <= 1 and metrics["k/changed"] in (0.0, 1.0)

@@ -1,0 +1,139 @@
+"""Online k (draftadapt/online_k.py, metrics/kcost.py): the choice per batch size and its
+update from per-position counters. Pure: no engine (tests/integration/test_online_k.py runs one)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from draftadapt.config import ConfigError
+from draftadapt.metrics.acceptance import AcceptanceStats
+from draftadapt.metrics.kcost import (
+    as_schedule,
+    best_k_per_batch,
+    fit_step_costs,
+    k_at,
+    predicted_tokens_per_s,
+    acceptance_length_at,
+)
+from draftadapt.online_k import OnlineK, OnlineKConfig, schedule_text
+
+
+def true_cost(k: int, b: int) -> float:
+    """The CPU-like step of tests/unit/test_kcost.py: verifying k + 1 tokens costs k + 1 plain
+    ones per sequence, so longer drafts pay at small batches only."""
+    c = 2e-3 + 1e-4 * b
+    if k:
+        c += 1e-3 + 2e-5 * b + k * (3e-4 + 1e-4 * b)
+    return c
+
+
+BSS = [1, 8, 32, 64]
+MODEL = fit_step_costs([(k, b, true_cost(k, b)) for k in (0, 1, 5) for b in BSS])
+
+
+def brute_force(rates: list[float], b: int) -> int:
+    tps = {k: predicted_tokens_per_s(MODEL, k, b, acceptance_length_at(rates, k)) for k in range(len(rates) + 1)}
+    return max(tps, key=lambda k: (tps[k], -k))
+
+
+def test_best_k_is_the_argmax_of_the_prediction_at_every_batch_size():
+    rates = [0.9, 0.8, 0.7, 0.55, 0.4]
+    ks = best_k_per_batch(MODEL, rates, 64)
+    assert len(ks) == 64
+    assert ks == [brute_force(rates, b) for b in range(1, 65)]
+    # a compute-bound target: long drafts at one sequence, shorter as the batch grows
+    assert ks[0] >= 3 and ks[-1] < ks[0]
+    assert all(a >= b for a, b in zip(ks, ks[1:]))
+
+
+def test_speculation_is_turned_off_where_it_does_not_pay():
+    ks = best_k_per_batch(MODEL, [0.3, 0.1, 0.05, 0.0, 0.0], 64)
+    assert ks[-1] == 0  # a weak draft at 64 sequences: no draft beats verifying it
+    assert best_k_per_batch(MODEL, [0.99] * 5, 64)[-1] > 0  # a strong one still pays there
+    # rates a k_max engine never reached (nan: a table that never drafted that far) count as 0
+    assert best_k_per_batch(MODEL, [0.9, float("nan"), float("nan")], 1) == [1]
+
+
+def test_k_max_caps_the_choice_and_needs_the_rates():
+    assert max(best_k_per_batch(MODEL, [0.99] * 5, 8, k_max=2)) <= 2
+    with pytest.raises(ValueError, match="k_max=6"):
+        best_k_per_batch(MODEL, [0.9] * 5, 8, k_max=6)
+
+
+def test_schedule_ranges_and_lookup_match_vllm():
+    ks = [5, 5, 4, 4, 4, 2, 0, 0]
+    sched = as_schedule(ks)
+    assert sched == [(1, 2, 5), (3, 5, 4), (6, 6, 2), (7, 8, 0)]
+    assert [k_at(sched, b) for b in range(1, 9)] == ks
+    assert k_at(sched, 100) == 0  # past the last range: its k (vLLM carries it to max_num_seqs)
+    assert k_at([(1, 4, 3), (9, 16, 1)], 6) == 3  # a gap carries the previous k, as vLLM's table
+    assert schedule_text(sched) == "1-2:5 3-5:4 6:2 7-8:0"
+
+
+def stats(accepted, drafted, drafts):
+    return AcceptanceStats(len(accepted), drafts, list(accepted), sum(drafted), list(drafted))
+
+
+def test_rates_count_only_the_drafts_that_reached_each_position():
+    # 100 drafts at k=3 and 100 at k=1 (a table that changed k between batch sizes)
+    s = stats([80 + 85, 60, 50], [200, 100, 100], 200)
+    assert s.reached_rates == pytest.approx([0.825, 0.6, 0.5])
+    assert s.per_position == pytest.approx([0.825, 0.3, 0.25])  # what under-counts the later positions
+    assert s.length == pytest.approx(1 + (165 + 60 + 50) / 200)  # tokens per verify step: unchanged
+    # one k for every draft: drafted_per_pos may be absent, and then the two rates agree
+    fixed = AcceptanceStats(3, 100, [80, 60, 50])
+    assert fixed.reached_rates == fixed.per_position
+    both = fixed + s
+    assert both.drafted_per_pos == [300, 200, 200] and both.reached_rates[1] == pytest.approx(120 / 200)
+    assert (both - s).drafted_per_pos == [100, 100, 100]
+    assert math.isnan(AcceptanceStats(2, 0, [0, 0]).reached_rates[0])
+
+
+class RecordingEngine:
+    """What OnlineK.update touches of an engine: the table it serves, set in place."""
+
+    def __init__(self, schedule):
+        self.k_schedule = schedule
+        self.sets = []
+
+    def set_k_schedule(self, schedule):
+        self.sets.append(schedule)
+        self.k_schedule = schedule
+
+
+def test_update_folds_counts_in_and_writes_the_table_only_when_it_changes():
+    online = OnlineK(MODEL, 64, 5, decay=0.5, counts=stats([90, 80, 70, 55, 40], [100] * 5, 100))
+    engine = RecordingEngine([(1, 64, 5)])
+    m = first = online.update(engine, stats([900, 800, 700, 550, 400], [1000] * 5, 1000))
+    assert engine.sets == [online.choose()] and m["k/changed"] == 1.0
+    assert engine.k_schedule == as_schedule(best_k_per_batch(MODEL, [0.9, 0.8, 0.7, 0.55, 0.4], 64))
+    assert {f"k/b{b}" for b in BSS} <= set(m) and m["k/b1"] == k_at(engine.k_schedule, 1)
+    assert m["k/rate_pos_0"] == pytest.approx(0.9)
+    # the same acceptance again: nothing to write
+    m = online.update(engine, stats([900, 800, 700, 550, 400], [1000] * 5, 1000))
+    assert len(engine.sets) == 1 and m["k/changed"] == 0.0
+    # the policy drifts away from the draft: the newest counts outweigh the decayed ones and
+    # the table shortens the drafts (speculation off at the large batches)
+    for _ in range(6):
+        online.update(engine, stats([300, 100, 50, 0, 0], [1000] * 5, 1000))
+    assert online.rates[0] < 0.35 and k_at(engine.k_schedule, 32) == 0 < first["k/b32"]
+    assert k_at(engine.k_schedule, 8) < first["k/b8"]
+
+
+def test_a_table_never_turns_every_draft_off():
+    # at any batch size no draft pays: one token stays on for a single sequence, so the
+    # counters keep measuring the draft
+    online = OnlineK(MODEL, 64, 5, counts=stats([0, 0, 0, 0, 0], [100] * 5, 100))
+    assert online.choose() == [(1, 1, 1), (2, 64, 0)]
+
+
+def test_counts_of_another_k_and_bad_configs_are_refused():
+    online = OnlineK(MODEL, 64, 5)
+    with pytest.raises(ValueError, match="k_max=5"):
+        online.observe(AcceptanceStats(3, 10, [5, 3, 1]))
+    for bad in (OnlineKConfig(k_max=0), OnlineKConfig(batch_sizes=[]), OnlineKConfig(decay=1.0),
+                OnlineKConfig(repeats=0)):
+        with pytest.raises(ConfigError, match="online_k"):
+            bad.validate()
