@@ -68,7 +68,10 @@ def _parser() -> argparse.ArgumentParser:
     toy_sub = toy.add_subparsers(dest="toy_command", required=True)
     build = toy_sub.add_parser("build", help="build and train the tiny toy target")
     build.add_argument("--out", required=True, help="directory for the HF model")
-    build.add_argument("--arch", choices=["llama", "qwen3"], default="llama")
+    build.add_argument("--arch", choices=["llama", "qwen3", "qwen2"], default=None,
+                       help="body architecture (default: llama, or qwen2 with --mtp)")
+    build.add_argument("--mtp", type=int, default=0,
+                       help="MTP layers trained jointly with the body, served by vLLM method=mtp (0: none)")
     build.add_argument("--seed", type=int, default=0)
     build.add_argument("--steps", type=int, default=None, help="training steps (default: tuned)")
 
@@ -144,7 +147,7 @@ def _dispatch(args) -> int:
     if args.command == "toy":
         from draftadapt.toy.build import build_cli
 
-        return build_cli(out=args.out, arch=args.arch, seed=args.seed, steps=args.steps)
+        return build_cli(out=args.out, arch=args.arch, seed=args.seed, steps=args.steps, mtp=args.mtp)
     if args.command == "draft":
         from draftadapt.drafts.init import init_cli
 

@@ -35,6 +35,7 @@ from draftadapt.drafts.formats import (
     target_fingerprint,
 )
 from draftadapt.drafts.methods import check_serves, method_for
+from draftadapt.drafts.mtp import PREFIX as MTP_PREFIX
 from draftadapt.metrics.acceptance import AcceptanceStats
 
 WORKER_EXT = "draftadapt.engine.worker_ext.DraftAdaptWorkerExtension"
@@ -172,8 +173,11 @@ class RolloutEngine:
 
         rng_before = (random.getstate(), np.random.get_state(), torch.get_rng_state())
         self.target = Path(target)
-        self.method = method if draft is not None else None
-        self.k = num_speculative_tokens if draft is not None else 0
+        # A method whose draft is part of the target (MTP) speculates without a draft directory.
+        spec_method = method_for(method)
+        speculate = draft is not None or spec_method.in_target
+        self.method = method if speculate else None
+        self.k = num_speculative_tokens if speculate else 0
         # Checks that vLLM would otherwise fail on late and cryptically (or not at all); the
         # target's identity is what every swapped-in draft is held against.
         self._target_fp = target_fingerprint(self.target)
@@ -182,11 +186,13 @@ class RolloutEngine:
         self.draft_dir: Path | None = None
         meta: dict[str, Any] = {}
         if draft is not None:
-            spec_method = method_for(method)
             meta = check_draft_for_target(draft, self.target)
             check_serves(spec_method, draft, meta.get("format"), "start the engine with method='{method}'")
             self.draft_dir = Path(draft)
             self._draft_ref_shapes = _weight_shapes(self.draft_dir / WEIGHTS_FILE)
+        elif speculate:  # the target's own MTP layers serve; a swap must match their tensors
+            self._draft_ref_shapes = {k: v for k, v in _weight_shapes(self.target / WEIGHTS_FILE).items()
+                                      if k.startswith(MTP_PREFIX)}
 
         if in_process is None:
             in_process = _on_cpu()
@@ -208,7 +214,7 @@ class RolloutEngine:
         # for an in-process engine): let each engine read them anew.
         envs.disable_envs_cache()
         spec = None
-        if draft is not None:
+        if speculate:
             spec = spec_method.speculative_config(draft, num_speculative_tokens, max_model_len)
         t0 = time.perf_counter()
         try:
@@ -247,12 +253,15 @@ class RolloutEngine:
         # The policy version the engine serves; drafts trained on a newer policy are never
         # swapped in (asynchronous RL). The caller sets it with update_policy(..., version=).
         self.policy_version = 0
-        if draft is not None:
+        if speculate:
             # Record what serves now so the first swap has a checksum to compare against.
             state = self._rpc("da_draft_state")
             self._live_checksum = state["checksum"]
         else:
             self._live_checksum = None
+        if spec_method.in_target and draft is not None:
+            # vLLM started the drafter with the target's own MTP layers: the draft dir's go in now
+            self.swap_draft(draft)
         random.setstate(rng_before[0])
         np.random.set_state(rng_before[1])
         torch.set_rng_state(rng_before[2])
