@@ -79,7 +79,7 @@ def _parser() -> argparse.ArgumentParser:
     draft_sub = draft.add_subparsers(dest="draft_command", required=True)
     init = draft_sub.add_parser("init", help="initialise a draft for a target")
     init.add_argument("--target", required=True, help="HF target model directory")
-    init.add_argument("--method", choices=["eagle3", "draft_model"], default="eagle3")
+    init.add_argument("--method", choices=["eagle3", "draft_model", "mtp"], default="eagle3")
     init.add_argument("--out", required=True)
     init.add_argument("--format", choices=["speculators", "eagle"], default="speculators")
     init.add_argument("--seed", type=int, default=0)

@@ -140,7 +140,7 @@ class RolloutEngine:
         self,
         target: str | Path,
         draft: str | Path | None = None,
-        method: str = "eagle3",
+        method: str | None = "eagle3",
         num_speculative_tokens: int = 3,
         max_model_len: int = 256,
         max_num_seqs: int = 64,
@@ -173,9 +173,12 @@ class RolloutEngine:
 
         rng_before = (random.getstate(), np.random.get_state(), torch.get_rng_state())
         self.target = Path(target)
-        # A method whose draft is part of the target (MTP) speculates without a draft directory.
-        spec_method = method_for(method)
-        speculate = draft is not None or spec_method.in_target
+        # A method whose draft is part of the target (MTP) speculates without a draft directory;
+        # method=None serves plainly whatever the target carries.
+        if method is None and draft is not None:
+            raise ValueError(f"a draft ({draft}) needs a method; pass method='eagle3', 'draft_model' or 'mtp'")
+        spec_method = None if method is None else method_for(method)
+        speculate = draft is not None or (spec_method is not None and spec_method.in_target)
         self.method = method if speculate else None
         self.k = num_speculative_tokens if speculate else 0
         # Checks that vLLM would otherwise fail on late and cryptically (or not at all); the
@@ -259,7 +262,7 @@ class RolloutEngine:
             self._live_checksum = state["checksum"]
         else:
             self._live_checksum = None
-        if spec_method.in_target and draft is not None:
+        if speculate and spec_method.in_target and draft is not None:
             # vLLM started the drafter with the target's own MTP layers: the draft dir's go in now
             self.swap_draft(draft)
         random.setstate(rng_before[0])
@@ -443,7 +446,7 @@ class RolloutEngine:
         if version is not None:
             self.policy_version = version
         result["ms"] = (time.perf_counter() - t0) * 1e3
-        if checks and self.draft_dir is not None:
+        if checks and self._draft_ref_shapes is not None:  # a draft serves (a dir's, or the target's MTP)
             result["draft"] = self.draft_state()
         return result
 
