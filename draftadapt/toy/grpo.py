@@ -90,6 +90,9 @@ class DemoConfig:
     toy: str | None = None  # reuse a built toy target (default: OUT/toy, built once)
     draft: str | None = None  # reuse a pretrained draft (default: OUT/draft0, pretrained once)
     seed: int = 0
+    # "eagle3": a pretrained Eagle-3 head; "mtp": the toy target's own MTP layers (toy build --mtp 1,
+    # trained jointly with it), adapted in place (docs/design.md, "MTP")
+    method: str = "eagle3"
     k: int = 3
     engine_threads: int = 2
     # how the initial and the fresh reference drafts are pretrained (package data: the demo runs
@@ -198,7 +201,8 @@ def prepare_world(cfg, out: Path) -> tuple[Path, Path]:
     """The toy target and a draft pretrained on it (built once; reused from OUT on a rerun)."""
     from draftadapt.pretrain import prepare_toy_world
 
-    return prepare_toy_world(out, cfg.toy, cfg.draft, cfg.seed, cfg.pretrain_recipe, pretrain_overrides(cfg), tag="demo")
+    return prepare_toy_world(out, cfg.toy, cfg.draft, cfg.seed, cfg.pretrain_recipe, pretrain_overrides(cfg), tag="demo",
+                             method=cfg.method)
 
 
 def measure(engine: RolloutEngine, prompts: list[str], cfg: DemoConfig, max_tokens: int | None = None) -> dict:
@@ -265,8 +269,8 @@ def run(cfg: DemoConfig) -> dict:
     logger = make_logger(["tensorboard", "jsonl"], out)
     adapter = spec = None
     if cfg.spec:
-        adapter = DraftAdapter(toy, draft0, out / "drafts", cfg.adapter)  # its metrics land in our row
-        spec = RolloutEngine(toy, draft0, method="eagle3", num_speculative_tokens=cfg.k,
+        adapter = DraftAdapter(toy, draft0, out / "drafts", replace(cfg.adapter, method=cfg.method))
+        spec = RolloutEngine(toy, draft0, method=cfg.method, num_speculative_tokens=cfg.k,
                              threads=cfg.engine_threads, seed=cfg.seed)
     plain = RolloutEngine(toy, None, threads=cfg.engine_threads, seed=cfg.seed)
     rollout_engine = spec or plain  # what the RL step generates with
@@ -417,7 +421,10 @@ def save_policy(policy, toy: Path, path: Path) -> None:
     """The final policy as a model dir transformers and vLLM load (tokenizer copied from the toy)."""
     import shutil
 
+    from draftadapt.toy.mtp import carry_mtp_layers
+
     policy.save_pretrained(str(path), safe_serialization=True)
+    carry_mtp_layers(toy, path)  # an MTP toy's final policy is an MTP target again (no-op otherwise)
     for f in toy.iterdir():
         if f.name.startswith(("tokenizer", "special_tokens")) or f.name in ("generation_config.json", "heldout.jsonl"):
             shutil.copy2(f, path / f.name)
@@ -438,13 +445,13 @@ def measure_fresh(cfg: DemoConfig, out: Path, spec: RolloutEngine, prompts: list
         torch.manual_seed(cfg.seed)
         pretrain(load_config(PretrainConfig, cfg.pretrain_recipe, [
             f"target={out / 'final_policy'}", f"out={fresh_dir}", "build_toy=false",
-            f"max_minutes={cfg.fresh_max_minutes}",
+            f"max_minutes={cfg.fresh_max_minutes}", f"method={cfg.method}",
             *pretrain_overrides(cfg)]))
     seconds = time.perf_counter() - t0
     try:
         m = measure_draft(spec, fresh_dir, prompts, cfg)
     except DraftSwapError:  # a user's draft= of another architecture: serve the fresh one apart
-        engine = RolloutEngine(out / "final_policy", fresh_dir, method="eagle3", num_speculative_tokens=cfg.k,
+        engine = RolloutEngine(out / "final_policy", fresh_dir, method=cfg.method, num_speculative_tokens=cfg.k,
                                threads=cfg.engine_threads, seed=cfg.seed)
         try:
             m = measure(engine, prompts, cfg)
