@@ -92,6 +92,6 @@ def carry_mtp_layers(src: Path, dst: Path) -> None:
     from draftadapt.drafts.mtp import head_from_target
 
     cfg = json.loads((Path(src) / "config.json").read_text())
-    if not cfg.get("num_nextn_predict_layers"):
+    if MTP_ARCH not in (cfg.get("architectures") or []):
         return
     save_mtp(Path(dst), head_from_target(src))

@@ -101,6 +101,38 @@ def test_policy_update_and_mtp_swap_do_not_clobber_each_other(mtp_engine, mtp_ta
     assert mtp_engine.draft_state()["checksum"] == live and mtp_engine.policy_checksum() == policy_before
 
 
+def test_adapter_trains_publishes_and_swaps_mtp_layers(mtp_engine, mtp_target, tmp_path):
+    """DraftAdapter with method="mtp" from fresh MTP layers: a round trains them on the policy's
+    hidden states (the policy gets no gradient), publishes only the MTP tensors and swaps them in;
+    the engine then accepts more than with the fresh layers."""
+    from draftadapt.adapter import DraftAdapter
+
+    from .test_adapter import small_cfg
+
+    prompts = toy_prompts(mtp_target, 48)
+    fresh = MTP.export(head_from_target(mtp_target, fresh_seed=2), tmp_path / "fresh", mtp_target,
+                       meta={"version": 0})
+    mtp_engine.swap_draft(fresh)
+    _, before = _greedy(mtp_engine, prompts[:16])
+    cfg = small_cfg("mtp", lr=1e-2)
+    cfg.schedule.train_steps = 40
+    adapter = DraftAdapter(mtp_target, fresh, tmp_path / "out", cfg)
+    try:
+        adapter.observe(mtp_engine.generate(prompts, temperature=1.0, max_tokens=64, seed=3).rollouts, policy_version=0)
+        m = adapter.step()
+        assert m["adapt/trained"] == 1.0 and m["adapt/published"] == 1.0, m
+        assert m["accept/simulated_length"] > m["accept/simulated_live"], m
+        assert all(p.grad is None for p in adapter.policy.parameters())
+        latest = adapter.store.latest()
+        assert set(load_file(str(latest.path / WEIGHTS_FILE))) == {k for k in load_file(str(fresh / WEIGHTS_FILE))}
+        res = adapter.swap(mtp_engine)
+        assert res is not None and res.version == 2 and mtp_engine.draft_state()["checksum"] == res.checksum
+        _, after = _greedy(mtp_engine, prompts[:16])
+        assert after.acceptance_length > before.acceptance_length + 0.2, (before, after)
+    finally:
+        adapter.close()
+
+
 # ------------------------------------------------------------------ losslessness at temperature 1
 
 @pytest.fixture(scope="module")

@@ -163,3 +163,31 @@ def test_joint_toy_loss_trains_body_and_mtp(tmp_path):
         from draftadapt.toy.build import build
 
         build(str(tmp_path / "x"), arch="llama", mtp=1)
+
+
+def test_a_saved_policy_gets_the_targets_mtp_layers_back(target, tmp_path):
+    """The demo saves its final policy with save_pretrained (a plain Qwen2 model): carrying the
+    target's MTP layers over makes it an MTP target vLLM serves with method="mtp" again."""
+    from draftadapt.toy.mtp import carry_mtp_layers
+
+    policy = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32)
+    out = tmp_path / "final"
+    policy.save_pretrained(str(out))
+    build_tokenizer().save_pretrained(str(out))
+    assert not mtp_tensors(out) and read_hf_config(out)["architectures"] == ["Qwen2ForCausalLM"]
+    carry_mtp_layers(target, out)
+    assert read_hf_config(out)["architectures"] == ["MiMoForCausalLM"] and mtp_tensors(out) == VLLM_MTP_NAMES
+    for (n, a), (_, b) in zip(head_from_target(target).state_dict().items(), head_from_target(out).state_dict().items()):
+        torch.testing.assert_close(a, b, msg=n)
+    plain = tmp_path / "plain"
+    policy.save_pretrained(str(plain))
+    before = (plain / "model.safetensors").read_bytes()
+    carry_mtp_layers(plain, plain)  # a target without MTP layers: nothing happens
+    assert (plain / "model.safetensors").read_bytes() == before
+
+
+def mtp_tensors(model_dir) -> set[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        return {k for k in f.keys() if k.startswith(PREFIX)}
