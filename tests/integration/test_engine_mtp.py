@@ -183,3 +183,40 @@ def test_mtp_speculative_sampling_matches_the_target_distribution(known_mtp_engi
     assert spec2.acceptance_length < spec.acceptance_length
     assert gof["forbidden"] == 0, gof
     assert gof["p"] > P_THRESHOLD, gof
+
+
+# ------------------------------------------------------------------ the sidecar (no engine)
+
+def test_sidecar_publishes_mtp_versions(tmp_path):
+    """`draftadapt sidecar adapter.method=mtp` as a real process on a spool: it trains the MTP
+    layers of a tiny MTP target and publishes versions holding only the MTP tensors."""
+    import random
+    import subprocess
+
+    from draftadapt.data.store import DraftStore
+    from draftadapt.spool import SpoolWriter
+    from tests.unit.test_mtp import VLLM_MTP_NAMES, make_mtp_target
+
+    from .conftest import start_sidecar, write_shard
+
+    target = tmp_path / "target"
+    make_mtp_target(target, layers=4, hidden=64)
+    draft = MTP.export(MTP.init(target), tmp_path / "draft0", target, meta={"version": 0})
+    spool, out = tmp_path / "spool", tmp_path / "drafts"
+    writer = SpoolWriter(spool, writer_id="rl")
+    rng = random.Random(0)
+    for step in range(3):
+        write_shard(writer, step, rng)
+    writer.finish(steps=3)
+    with open(tmp_path / "sidecar.log", "w") as log:
+        proc = start_sidecar(spool, out, target, draft, log, "adapter.method=mtp")
+        try:
+            assert proc.wait(timeout=600) == 0, (tmp_path / "sidecar.log").read_text()[-3000:]
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    store = DraftStore(out, readonly=True)
+    assert store.latest().version >= 2, (tmp_path / "sidecar.log").read_text()[-3000:]
+    latest = store.latest()
+    assert set(load_file(str(latest.weights))) == VLLM_MTP_NAMES
+    assert json.loads((latest.path / META_FILE).read_text())["method"] == "mtp"
