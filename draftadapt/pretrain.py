@@ -392,7 +392,8 @@ def prepare_toy_world(out: str | Path, toy: str | Path | None, draft: str | Path
                       tag: str = "demo", method: str = "eagle3") -> tuple[Path, Path]:
     """The toy target and an Eagle-3 draft pretrained on it, built into ``out`` unless given (and
     reused from ``out`` on a rerun). Returns (toy target dir, draft dir). ``method="mtp"``: the
-    toy has one MTP layer trained with it, and the draft is that layer, exported."""
+    toy has one MTP layer (trained with it), and the draft is a fresh MTP layer pretrained like the
+    Eagle-3 head, on the toy's own samples (docs/design.md, "MTP")."""
     from draftadapt.drafts.methods import method_for
 
     in_target = method_for(method).in_target
@@ -405,11 +406,8 @@ def prepare_toy_world(out: str | Path, toy: str | Path | None, draft: str | Path
         kind = {"arch": "qwen2", "mtp": 1} if in_target else {}
         print(json.dumps(build(str(toy), seed=seed, **kind)), flush=True)
     draft = Path(draft) if draft else out / "draft0"
-    if in_target and not (draft / "draftadapt.json").is_file():
-        from draftadapt.drafts.init import init_draft
-
-        init_draft(toy, method, draft)
     if not (draft / "draftadapt.json").is_file():
-        print(f"[{tag}] pretraining the Eagle-3 draft into {draft} (a few minutes, once)", flush=True)
-        pretrain(load_config(PretrainConfig, pretrain_recipe, [f"target={toy}", f"out={draft}", *pretrain_overrides]))
+        print(f"[{tag}] pretraining the {method} draft into {draft} (a few minutes, once)", flush=True)
+        pretrain(load_config(PretrainConfig, pretrain_recipe, [f"target={toy}", f"out={draft}", f"method={method}",
+                                                               *pretrain_overrides]))
     return toy, draft

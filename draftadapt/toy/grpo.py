@@ -90,8 +90,9 @@ class DemoConfig:
     toy: str | None = None  # reuse a built toy target (default: OUT/toy, built once)
     draft: str | None = None  # reuse a pretrained draft (default: OUT/draft0, pretrained once)
     seed: int = 0
-    # "eagle3": a pretrained Eagle-3 head; "mtp": the toy target's own MTP layers (toy build --mtp 1,
-    # trained jointly with it), adapted in place (docs/design.md, "MTP")
+    # "eagle3": an Eagle-3 head; "mtp": MTP layers of a toy built with `toy build --mtp 1`, served
+    # with vLLM's method="mtp". Either draft is pretrained on the toy's own samples by
+    # pretrain_recipe (method= set to this), as is the fresh one (docs/design.md, "MTP")
     method: str = "eagle3"
     k: int = 3
     engine_threads: int = 2
