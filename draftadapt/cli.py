@@ -68,7 +68,10 @@ def _parser() -> argparse.ArgumentParser:
     toy_sub = toy.add_subparsers(dest="toy_command", required=True)
     build = toy_sub.add_parser("build", help="build and train the tiny toy target")
     build.add_argument("--out", required=True, help="directory for the HF model")
-    build.add_argument("--arch", choices=["llama", "qwen3"], default="llama")
+    build.add_argument("--arch", choices=["llama", "qwen3", "qwen2"], default=None,
+                       help="body architecture (default: llama, or qwen2 with --mtp)")
+    build.add_argument("--mtp", type=int, default=0,
+                       help="MTP layers trained jointly with the body, served by vLLM method=mtp (0: none)")
     build.add_argument("--seed", type=int, default=0)
     build.add_argument("--steps", type=int, default=None, help="training steps (default: tuned)")
 
@@ -76,7 +79,7 @@ def _parser() -> argparse.ArgumentParser:
     draft_sub = draft.add_subparsers(dest="draft_command", required=True)
     init = draft_sub.add_parser("init", help="initialise a draft for a target")
     init.add_argument("--target", required=True, help="HF target model directory")
-    init.add_argument("--method", choices=["eagle3", "draft_model"], default="eagle3")
+    init.add_argument("--method", choices=["eagle3", "draft_model", "mtp"], default="eagle3")
     init.add_argument("--out", required=True)
     init.add_argument("--format", choices=["speculators", "eagle"], default="speculators")
     init.add_argument("--seed", type=int, default=0)
@@ -144,7 +147,7 @@ def _dispatch(args) -> int:
     if args.command == "toy":
         from draftadapt.toy.build import build_cli
 
-        return build_cli(out=args.out, arch=args.arch, seed=args.seed, steps=args.steps)
+        return build_cli(out=args.out, arch=args.arch, seed=args.seed, steps=args.steps, mtp=args.mtp)
     if args.command == "draft":
         from draftadapt.drafts.init import init_cli
 

@@ -101,7 +101,7 @@ def eval_prompts(target: str | Path, num: int, seed: int) -> list[str]:
     return [p["prompt"] for p in sample_problems(num, seed + 7_777_777)]
 
 
-def _run_engine(target: Path, draft: Path | None, method: str, k: int, batches: list[list[str]],
+def _run_engine(target: Path, draft: Path | None, method: str | None, k: int, batches: list[list[str]],
                 temperature: float, max_tokens: int, seed: int, repeats: int, threads: int | None):
     """Start an engine, warm it up, generate each batch of prompts ``repeats`` times (rounds over
     the batches, so a slow spell of a busy machine does not land on one batch size); returns the
@@ -161,7 +161,7 @@ def evaluate(cfg: EvaluateConfig, repeats: int = 1, threads: int | None = None,
     method = method_of_dir(draft).name
     prompts = prompts if prompts is not None else eval_prompts(target, num_prompts, seed)
     spec_runs = _run_engine(target, draft, method, k, [prompts], temperature, max_tokens, seed, repeats, threads)[0]
-    plain_runs = _run_engine(target, None, method, k, [prompts], temperature, max_tokens, seed, repeats, threads)[0]
+    plain_runs = _run_engine(target, None, None, k, [prompts], temperature, max_tokens, seed, repeats, threads)[0]
     spec = _sum_stats([r.spec for r in spec_runs])
     tps_spec = max(r.tokens_per_s for r in spec_runs)
     tps_plain = max(r.tokens_per_s for r in plain_runs)
@@ -218,7 +218,7 @@ def k_table(cfg: EvaluateConfig, threads: int | None = None) -> dict[str, Any]:
     t0 = time.perf_counter()
     bar = progress(total=len(run_ks), desc="k table (one engine per k)", unit="engine")
     for k in run_ks:
-        runs = _run_engine(target, draft if k else None, method, max(k, 1), [prompts[:b] for b in bss],
+        runs = _run_engine(target, draft if k else None, method if k else None, max(k, 1), [prompts[:b] for b in bss],
                            cfg.temperature, cfg.max_tokens, cfg.seed, cfg.table_repeats, threads)
         for b, rs in zip(bss, runs):
             cells[(k, b)] = (max(r.tokens_per_s for r in rs), _sum_stats([r.spec for r in rs]))

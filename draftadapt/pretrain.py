@@ -389,18 +389,25 @@ def pretrain_cli(recipe: str, overrides: list[str]) -> int:
 
 def prepare_toy_world(out: str | Path, toy: str | Path | None, draft: str | Path | None, seed: int,
                       pretrain_recipe: str | Path, pretrain_overrides: list[str] | tuple[str, ...] = (),
-                      tag: str = "demo") -> tuple[Path, Path]:
+                      tag: str = "demo", method: str = "eagle3") -> tuple[Path, Path]:
     """The toy target and an Eagle-3 draft pretrained on it, built into ``out`` unless given (and
-    reused from ``out`` on a rerun). Returns (toy target dir, draft dir)."""
+    reused from ``out`` on a rerun). Returns (toy target dir, draft dir). ``method="mtp"``: the
+    toy has one MTP layer (trained with it), and the draft is a fresh MTP layer pretrained like the
+    Eagle-3 head, on the toy's own samples (docs/design.md, "MTP")."""
+    from draftadapt.drafts.methods import method_for
+
+    in_target = method_for(method).in_target
     out = Path(out)
     toy = Path(toy) if toy else out / "toy"
     if not (toy / "heldout.jsonl").is_file():
         from draftadapt.toy.build import build
 
         print(f"[{tag}] building the toy target into {toy} (a few minutes, once)", flush=True)
-        print(json.dumps(build(str(toy), seed=seed)), flush=True)
+        kind = {"arch": "qwen2", "mtp": 1} if in_target else {}
+        print(json.dumps(build(str(toy), seed=seed, **kind)), flush=True)
     draft = Path(draft) if draft else out / "draft0"
     if not (draft / "draftadapt.json").is_file():
-        print(f"[{tag}] pretraining the Eagle-3 draft into {draft} (a few minutes, once)", flush=True)
-        pretrain(load_config(PretrainConfig, pretrain_recipe, [f"target={toy}", f"out={draft}", *pretrain_overrides]))
+        print(f"[{tag}] pretraining the {method} draft into {draft} (a few minutes, once)", flush=True)
+        pretrain(load_config(PretrainConfig, pretrain_recipe, [f"target={toy}", f"out={draft}", f"method={method}",
+                                                               *pretrain_overrides]))
     return toy, draft

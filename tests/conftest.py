@@ -69,3 +69,28 @@ def known_target() -> Path:
     from draftadapt.toy.known import build_known_target
 
     return cached_build("known-target", lambda out: build_known_target(out), REPO / "draftadapt" / "toy")
+
+
+@pytest.fixture(scope="session")
+def mtp_target() -> Path:
+    """The toy target with one MTP layer (`draftadapt toy build --mtp 1`: a Qwen2 body and its
+    MTP layer trained jointly), seed 0. DRAFTADAPT_TEST_MTP_TOY=DIR reuses one you built."""
+    from draftadapt.toy.build import build
+
+    if os.environ.get("DRAFTADAPT_TEST_MTP_TOY"):
+        return Path(os.environ["DRAFTADAPT_TEST_MTP_TOY"])
+
+    def _build(out: Path) -> None:
+        result = build(str(out), arch="qwen2", seed=0, mtp=1)
+        (out / "build_result.json").write_text(json.dumps(result))
+
+    return cached_build("toy-mtp", _build, REPO / "draftadapt" / "toy", REPO / "draftadapt" / "drafts")
+
+
+@pytest.fixture(scope="session")
+def known_mtp_target() -> Path:
+    """The known Markov-chain target on a Qwen2 body with one exact MTP layer (toy/known.py)."""
+    from draftadapt.toy.known import build_known_target
+
+    return cached_build("known-mtp", lambda out: build_known_target(out, arch="qwen2", mtp=1),
+                        REPO / "draftadapt" / "toy", REPO / "draftadapt" / "drafts")

@@ -226,66 +226,87 @@ class Eagle3Head(nn.Module):
         mask = torch.ones(t, t, dtype=torch.bool, device=input_ids.device).tril()
         return layer.finish(layer.self_attn.attend(q, k, v, mask), residual)
 
+    @property
+    def feature_dtype(self) -> torch.dtype:
+        """The dtype the aux hidden states are cast to on the way in."""
+        return self.fc.weight.dtype
+
+    def embed_inputs(self, ids: torch.Tensor, step: int) -> torch.Tensor:
+        """[B, T] token ids fed at draft step ``step`` -> [B, T, H]."""
+        return self.embed_tokens(ids)
+
     def unroll(
         self, input_ids: torch.Tensor, aux: torch.Tensor, steps: int, feed_ids=None,
         slots: torch.Tensor | None = None,
     ) -> list[torch.Tensor]:
-        """Training-time test (EAGLE-3 section 3.2): run ``steps`` speculative steps in parallel.
+        """Training-time test; see :func:`ttt_unroll`."""
+        return ttt_unroll(self, input_ids, aux, steps, feed_ids, slots)
 
-        Step 0 is a causal pass from the target's hidden states. At step j the query for original
-        position t stands for position t + j: it attends to step-0 keys at positions <= t and to
-        its own earlier speculative keys at t (steps 1..j), exactly the keys vLLM's draft KV cache
-        holds when it speculates j tokens past an accepted prefix ending at t.
 
-        input_ids: [B, T] (token t+1 at index t); aux: [B, T, num_aux*Ht];
-        feed_ids(j, logits_j) -> [B, T] ids fed at step j+1 (default: the draft's own argmax,
-        mapped to target ids). ``slots``: [B, M] positions at which steps >= 1 run (None: all T);
-        a query at a slot sees the same keys as above, so the result there is the full unroll's,
-        at M/T of the cost of each step >= 1 (docs/design.md, "Adapter cost"). Returns per step
-        the draft-vocab logits: [B, T, Vd] for step 0, [B, M or T, Vd] for the others.
-        """
-        b, t = input_ids.shape
-        dev = input_ids.device
-        layer = self.layers[0]
-        hidden = self.combine(aux)
-        ids = input_ids
-        keys, values, out = [], [], []
-        positions = torch.arange(t, device=dev).expand(b, t)
-        causal = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
-        if slots is None:
-            base = positions
-            diag = torch.eye(t, dtype=torch.bool, device=dev)
-            masks = [torch.cat([causal] + [diag] * j, dim=1) for j in range(steps)]  # [T, (j+1)T]
-        else:
-            m = slots.shape[1]
-            base = slots
-            seen = (torch.arange(t, device=dev) <= slots[..., None])[:, None]  # [B, 1, M, T]
-            diag = torch.eye(m, dtype=torch.bool, device=dev).expand(b, 1, m, m)
-            masks = [causal] + [torch.cat([seen] + [diag] * j, dim=-1) for j in range(1, steps)]
+def ttt_unroll(
+    head, input_ids: torch.Tensor, aux: torch.Tensor, steps: int, feed_ids=None,
+    slots: torch.Tensor | None = None,
+) -> list[torch.Tensor]:
+    """Training-time test (EAGLE-3 section 3.2): run ``steps`` speculative steps of ``head`` in parallel.
 
-        def gather(x: torch.Tensor) -> torch.Tensor:  # [B, T, ...] by position -> [B, M, ...] at the slots
-            return x.gather(1, slots if x.dim() == 2 else slots[..., None].expand(-1, -1, x.shape[-1]))
+    ``head``: an :class:`Eagle3Head` or an MTP head (drafts/mtp.py); both have the same step
+    structure: ``combine`` the target features, ``layers[0]``'s ``attn_input``, attention and
+    ``finish``, ``logits``, ``d2t`` and ``embed_inputs``.
 
-        for j in range(steps):
-            a_in, residual = layer.attn_input(self.embed_tokens(ids), hidden)
-            q, k, v = layer.self_attn.qkv(a_in, positions if j == 0 else base + j)
-            keys.append(k)
-            values.append(v)
-            x = layer.finish(layer.self_attn.attend(q, torch.cat(keys, 2), torch.cat(values, 2), masks[j]), residual)
-            logits = self.logits(x)
-            out.append(logits)
-            if j + 1 < steps:
-                # Shift: the step-(j+1) query at t consumes the token predicted for t + j + 2.
-                if feed_ids is not None:
-                    nxt = feed_ids(j, logits)  # by position
-                    nxt = nxt if slots is None else gather(nxt)
-                else:
-                    top = logits.argmax(-1)
-                    nxt = top + self.d2t[top]
-                    nxt = nxt if slots is None or j > 0 else gather(nxt)
-                ids = nxt.detach()
-                hidden = x if slots is None or j > 0 else gather(x)
-        return out
+    Step 0 is a causal pass from the target's hidden states. At step j the query for original
+    position t stands for position t + j: it attends to step-0 keys at positions <= t and to
+    its own earlier speculative keys at t (steps 1..j), exactly the keys vLLM's draft KV cache
+    holds when it speculates j tokens past an accepted prefix ending at t.
+
+    input_ids: [B, T] (token t+1 at index t); aux: [B, T, num_aux*Ht];
+    feed_ids(j, logits_j) -> [B, T] ids fed at step j+1 (default: the draft's own argmax,
+    mapped to target ids). ``slots``: [B, M] positions at which steps >= 1 run (None: all T);
+    a query at a slot sees the same keys as above, so the result there is the full unroll's,
+    at M/T of the cost of each step >= 1 (docs/design.md, "Adapter cost"). Returns per step
+    the draft-vocab logits: [B, T, Vd] for step 0, [B, M or T, Vd] for the others.
+    """
+    b, t = input_ids.shape
+    dev = input_ids.device
+    layer = head.layers[0]
+    hidden = head.combine(aux)
+    ids = input_ids
+    keys, values, out = [], [], []
+    positions = torch.arange(t, device=dev).expand(b, t)
+    causal = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
+    if slots is None:
+        base = positions
+        diag = torch.eye(t, dtype=torch.bool, device=dev)
+        masks = [torch.cat([causal] + [diag] * j, dim=1) for j in range(steps)]  # [T, (j+1)T]
+    else:
+        m = slots.shape[1]
+        base = slots
+        seen = (torch.arange(t, device=dev) <= slots[..., None])[:, None]  # [B, 1, M, T]
+        diag = torch.eye(m, dtype=torch.bool, device=dev).expand(b, 1, m, m)
+        masks = [causal] + [torch.cat([seen] + [diag] * j, dim=-1) for j in range(1, steps)]
+
+    def gather(x: torch.Tensor) -> torch.Tensor:  # [B, T, ...] by position -> [B, M, ...] at the slots
+        return x.gather(1, slots if x.dim() == 2 else slots[..., None].expand(-1, -1, x.shape[-1]))
+
+    for j in range(steps):
+        a_in, residual = layer.attn_input(head.embed_inputs(ids, j), hidden)
+        q, k, v = layer.self_attn.qkv(a_in, positions if j == 0 else base + j)
+        keys.append(k)
+        values.append(v)
+        x = layer.finish(layer.self_attn.attend(q, torch.cat(keys, 2), torch.cat(values, 2), masks[j]), residual)
+        logits = head.logits(x)
+        out.append(logits)
+        if j + 1 < steps:
+            # Shift: the step-(j+1) query at t consumes the token predicted for t + j + 2.
+            if feed_ids is not None:
+                nxt = feed_ids(j, logits)  # by position
+                nxt = nxt if slots is None else gather(nxt)
+            else:
+                top = logits.argmax(-1)
+                nxt = top + head.d2t[top]
+                nxt = nxt if slots is None or j > 0 else gather(nxt)
+            ids = nxt.detach()
+            hidden = x if slots is None or j > 0 else gather(x)
+    return out
 
 
 def param_count(module: nn.Module) -> int:

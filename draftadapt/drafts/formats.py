@@ -248,6 +248,8 @@ def _read_weights(draft_dir: Path) -> dict[str, torch.Tensor]:
 def detect_format(config: dict) -> str:
     if config.get("speculators_model_type") == "eagle3":
         return "speculators"
+    if config.get("draftadapt_draft") == "mtp":
+        return "mtp"
     archs = config.get("architectures") or []
     if any("Eagle3" in a for a in archs):
         return "eagle"
@@ -444,9 +446,57 @@ def check_draft_for_target(draft_dir: str | Path, target_dir: str | Path) -> dic
                 f"draft LM {draft_dir} has a different tokenizer than {target_dir}; a draft_model "
                 "must share the target's tokenizer"
             )
+    elif fmt == "mtp":
+        load_mtp(draft_dir, target_dir)  # the target's MTP layers, shape for shape
     else:
         load_eagle3(draft_dir, target_dir)  # full shape/vocab/aux/positions check
     return meta
+
+
+# --------------------------------------------------------------------------- MTP layers
+
+def export_mtp(head, out: str | Path, target_dir: str | Path, meta: dict[str, Any] | None = None,
+               dtype: str | torch.dtype | None = None) -> Path:
+    """Write an MTP head's layers (only ``model.mtp_layers.*``: embed_tokens and lm_head are the
+    target's) as a draft directory; the engine serves the target with ``method="mtp"`` and loads
+    these tensors into its drafter (docs/design.md, "MTP")."""
+    from draftadapt.drafts.mtp import MTPConfig
+
+    out = Path(out)
+    fp = target_fingerprint(target_dir)
+    want = MTPConfig.from_hf(read_hf_config(target_dir))
+    if (head.cfg.hidden_size, head.cfg.vocab_size, head.cfg.num_layers) != (want.hidden_size, want.vocab_size, want.num_layers):
+        raise DraftFormatError(
+            f"export to {out}: the MTP head (hidden {head.cfg.hidden_size}, vocab {head.cfg.vocab_size}, "
+            f"{head.cfg.num_layers} layers) does not fit {target_dir} (hidden {want.hidden_size}, vocab "
+            f"{want.vocab_size}, {want.num_layers} layers); start from `draftadapt draft init --method mtp "
+            f"--target {target_dir}`"
+        )
+    sd = head.mtp_state_dict(FLOAT_DTYPES[model_dtype(target_dir) if dtype is None else dtype_name(dtype)])
+    config = {"draftadapt_draft": "mtp", "architectures": ["MiMoMTPLayers"], "mtp_config": head.cfg.to_dict(),
+              "shared_modules": ["embed_tokens", "lm_head"]}
+    info = {"method": "mtp", "format": "mtp", "head_config": head.cfg.to_dict(), "target": fp,
+            "shared_modules": ["embed_tokens", "lm_head"], **(meta or {})}
+    return _write_draft_dir(out, config, sd, info)
+
+
+def load_mtp(draft_dir: str | Path, target_dir: str | Path):
+    """An MTP draft directory (or, ``draft_dir`` the target itself, its own layers) as an MTP
+    head, with the target's embed_tokens and lm_head."""
+    from draftadapt.drafts.mtp import head_from_target
+
+    draft_dir = Path(draft_dir)
+    head = head_from_target(target_dir)
+    if draft_dir.resolve() != Path(target_dir).resolve():
+        config = read_hf_config(draft_dir)
+        if detect_format(config) != "mtp":
+            raise DraftFormatError(f"{draft_dir} is not an MTP draft (its config.json has no "
+                                   "draftadapt_draft: mtp); export one with MTPMethod.export")
+        try:
+            head.load_mtp_state_dict(_read_weights(draft_dir), str(draft_dir))
+        except ValueError as exc:
+            raise DraftFormatError(str(exc)) from None
+    return head
 
 
 def copy_tokenizer(src: str | Path, dst: str | Path) -> None:

@@ -8,7 +8,7 @@
 
 Every question whose answer depends on the method (how a draft is made, loaded, exported, served,
 captured for, trained and scored) is answered here and nowhere else (docs/design.md, "Draft
-methods"). Plain classes, no registry: a third method (MTP) is a third class and a line in
+methods"). Plain classes, no registry: the third method (MTP) is the third class and a line in
 :func:`method_for`.
 """
 
@@ -23,12 +23,14 @@ from transformers import PreTrainedModel
 
 from draftadapt.capture.hidden import TargetCapture
 from draftadapt.drafts.eagle3 import Eagle3Head
-from draftadapt.drafts.formats import DraftFormatError, detect_format, export_eagle3, load_eagle3, read_hf_config
+from draftadapt.drafts.formats import (DraftFormatError, detect_format, export_eagle3, export_mtp, load_eagle3,
+                                       load_mtp, read_hf_config)
+from draftadapt.drafts.mtp import MTPHead, head_from_target
 from draftadapt.drafts.vocab import draft_to_target_ids
 from draftadapt.train import losses
 from draftadapt.train.forward import DraftLMForward, Eagle3TTT, lm_step_logits
 
-METHODS = ("eagle3", "draft_model")  # the names configs, the CLI and vLLM's speculative_config use
+METHODS = ("eagle3", "draft_model", "mtp")  # the names configs, the CLI and vLLM's speculative_config use
 
 
 class Eagle3Method:
@@ -38,6 +40,7 @@ class Eagle3Method:
     describe = "an Eagle-3 head"
     formats = ("speculators", "eagle")  # its checkpoint layouts (drafts/formats.py)
     wrapper_prefix = "head."  # the draft's parameter names inside its training wrapper
+    in_target = False  # True: the target itself carries the draft (MTP); an engine needs no draft dir
 
     # ------------------------------------------------------------------ making and keeping drafts
 
@@ -131,6 +134,7 @@ class DraftLMMethod:
     describe = "an HF draft LM"
     formats = ("hf",)
     wrapper_prefix = "model."
+    in_target = False
 
     def init(self, target: str | Path, seed: int = 0, source: str | Path | None = None,
              draft_vocab: int | None = None) -> nn.Module:
@@ -191,33 +195,104 @@ class DraftLMMethod:
         return loss, [loss.detach()], [acc], lm_step_logits(logits.detach(), cfg.ttt_steps)
 
 
+class MTPMethod:
+    """The target's own MTP layers (vLLM ``method="mtp"``, MiMo layout; docs/design.md, "MTP").
+
+    Trained like an Eagle-3 head (the same TTT unroll and losses) on one hidden state, the body's
+    pre-norm residual stream at layer L, over the full vocabulary through the policy's lm_head.
+    """
+
+    name = "mtp"
+    describe = "a target's MTP layers"
+    formats = ("mtp",)
+    wrapper_prefix = "head."
+    in_target = True
+
+    def init(self, target: str | Path, seed: int = 0, source: str | Path | None = None,
+             draft_vocab: int | None = None) -> MTPHead:
+        """``draft init``: the target's own MTP layers (``source``: an MTP draft dir's instead)."""
+        if draft_vocab:
+            raise DraftFormatError("an MTP draft predicts over the target's full vocabulary; drop --draft-vocab")
+        return load_mtp(source if source is not None else target, target)
+
+    def build(self, target: Path, target_model: nn.Module, cfg, train_seqs) -> MTPHead:
+        """Pretraining's fresh MTP layers (seed ``cfg.seed``), the target's embed_tokens and lm_head."""
+        head = head_from_target(target, fresh_seed=cfg.seed)
+        self.refresh_shared(head, target_model)
+        return head
+
+    def load(self, draft_dir: str | Path, target_dir: str | Path) -> MTPHead:
+        return load_mtp(draft_dir, target_dir)
+
+    def export(self, draft: MTPHead, out: str | Path, target: str | Path, fmt: str | None = None,
+               num_speculative_tokens: int = 3, meta: dict | None = None) -> Path:
+        """Only the ``model.mtp_layers.*`` tensors (``fmt`` is Eagle-3's; ignored here)."""
+        return export_mtp(draft, out, target, meta=meta)
+
+    def speculative_config(self, draft_dir: str | Path | None, k: int, max_model_len: int) -> dict[str, Any]:
+        # no "model": vLLM reads the MTP layers from the target's own checkpoint; a draft dir's
+        # layers are loaded into the drafter once it runs (RolloutEngine)
+        return {"method": self.name, "num_speculative_tokens": k}
+
+    def vocab_ids(self, draft: MTPHead) -> torch.Tensor:
+        return torch.arange(draft.cfg.vocab_size)
+
+    def target_capture(self, policy: nn.Module, draft: MTPHead, temperature: float) -> TargetCapture:
+        return TargetCapture(policy, list(draft.cfg.aux_layer_ids), None, temperature=temperature)
+
+    def refresh_shared(self, draft: MTPHead, policy: nn.Module) -> None:
+        """vLLM's drafter uses the policy's embed_tokens and lm_head: so does the head, copied
+        (no autograd path from the draft's loss into the policy)."""
+        draft.copy_shared(policy.get_input_embeddings().weight.detach().float(),
+                          policy.get_output_embeddings().weight.detach().float())
+
+    def wrap(self, draft: nn.Module, ttt_steps: int = 3, feed: str = "data", pad_id: int = 0) -> Eagle3TTT:
+        if not isinstance(draft, MTPHead):
+            raise TypeError(f"method 'mtp' trains an MTPHead, got {type(draft).__name__}")
+        return Eagle3TTT(draft, ttt_steps, feed, pad_id)
+
+    def unwrap(self, module: Eagle3TTT) -> MTPHead:
+        return module.head
+
+    # the same unrolled forward and TTT loss as an Eagle-3 head
+    step_logits = Eagle3Method.step_logits
+    loss = Eagle3Method.loss
+
+
 EAGLE3 = Eagle3Method()
 DRAFT_LM = DraftLMMethod()
-DraftMethod = Eagle3Method | DraftLMMethod
+MTP = MTPMethod()
+DraftMethod = Eagle3Method | DraftLMMethod | MTPMethod
 
 
 def method_for(what: str | nn.Module | DraftMethod) -> DraftMethod:
     """The method of a name ("eagle3", "draft_model"), of a draft module (bare or wrapped for
     training), or a method itself."""
-    if isinstance(what, (Eagle3Method, DraftLMMethod)):
+    if isinstance(what, (Eagle3Method, DraftLMMethod, MTPMethod)):
         return what
     if isinstance(what, str):
         if what == EAGLE3.name:
             return EAGLE3
         if what == DRAFT_LM.name:
             return DRAFT_LM
+        if what == MTP.name:
+            return MTP
         raise DraftFormatError(f"unknown draft method {what!r}; use one of {', '.join(METHODS)}")
     inner = getattr(what, "module", what)  # DDP / DeepSpeed keep the model at .module
+    if isinstance(getattr(inner, "head", inner), MTPHead):  # bare, or inside its TTT wrapper
+        return MTP
     if isinstance(inner, (Eagle3Head, Eagle3TTT)):
         return EAGLE3
     if isinstance(inner, (PreTrainedModel, DraftLMForward)):
         return DRAFT_LM
     raise TypeError(f"no draft method for a {type(what).__name__}; pass an Eagle3Head, an HF draft LM, "
-                    f"one of them wrapped for training, or a method name ({', '.join(METHODS)})")
+                    f"an MTPHead, one of them wrapped for training, or a method name ({', '.join(METHODS)})")
 
 
 def method_of_format(fmt: str) -> DraftMethod:
     """The method that serves a checkpoint layout (``formats.detect_format``)."""
+    if fmt in MTP.formats:
+        return MTP
     return DRAFT_LM if fmt in DRAFT_LM.formats else EAGLE3
 
 

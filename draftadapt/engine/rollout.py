@@ -35,6 +35,7 @@ from draftadapt.drafts.formats import (
     target_fingerprint,
 )
 from draftadapt.drafts.methods import check_serves, method_for
+from draftadapt.drafts.mtp import PREFIX as MTP_PREFIX
 from draftadapt.engine.cpu_fix import guard_llvmlite_lib
 from draftadapt.metrics.acceptance import AcceptanceStats
 
@@ -151,7 +152,7 @@ class RolloutEngine:
         self,
         target: str | Path,
         draft: str | Path | None = None,
-        method: str = "eagle3",
+        method: str | None = "eagle3",
         num_speculative_tokens: int = 3,
         max_model_len: int = 256,
         max_num_seqs: int = 64,
@@ -189,10 +190,16 @@ class RolloutEngine:
 
         rng_before = (random.getstate(), np.random.get_state(), torch.get_rng_state())
         self.target = Path(target)
-        # model-free drafters (no draft= at all): the proposer reads the prompt and output so far
+        # A method whose draft is part of the target (MTP) speculates without a draft directory,
+        # and so do the model-free drafters (the proposer reads the prompt and output so far);
+        # method=None serves plainly whatever the target carries.
+        if method is None and draft is not None:
+            raise ValueError(f"a draft ({draft}) needs a method; pass method='eagle3', 'draft_model' or 'mtp'")
         model_free = draft is None and method in MODEL_FREE_METHODS
-        self.method = method if draft is not None or model_free else None
-        self.k = num_speculative_tokens if draft is not None or model_free else 0
+        spec_method = None if method is None or model_free else method_for(method)
+        speculate = draft is not None or (spec_method is not None and spec_method.in_target)
+        self.method = method if speculate or model_free else None
+        self.k = num_speculative_tokens if speculate or model_free else 0
         # Checks that vLLM would otherwise fail on late and cryptically (or not at all); the
         # target's identity is what every swapped-in draft is held against.
         self._target_fp = target_fingerprint(self.target)
@@ -201,11 +208,13 @@ class RolloutEngine:
         self.draft_dir: Path | None = None
         meta: dict[str, Any] = {}
         if draft is not None:
-            spec_method = method_for(method)
             meta = check_draft_for_target(draft, self.target)
             check_serves(spec_method, draft, meta.get("format"), "start the engine with method='{method}'")
             self.draft_dir = Path(draft)
             self._draft_ref_shapes = _weight_shapes(self.draft_dir / WEIGHTS_FILE)
+        elif speculate:  # the target's own MTP layers serve; a swap must match their tensors
+            self._draft_ref_shapes = {k: v for k, v in _weight_shapes(self.target / WEIGHTS_FILE).items()
+                                      if k.startswith(MTP_PREFIX)}
 
         if in_process is None:
             in_process = _on_cpu()
@@ -231,7 +240,7 @@ class RolloutEngine:
         # for an in-process engine): let each engine read them anew.
         envs.disable_envs_cache()
         spec = None
-        if draft is not None:
+        if speculate:
             spec = spec_method.speculative_config(draft, num_speculative_tokens, max_model_len)
         elif model_free:
             spec = {"method": method, "num_speculative_tokens": num_speculative_tokens, **MODEL_FREE_METHODS[method]}
@@ -278,12 +287,15 @@ class RolloutEngine:
         # The policy version the engine serves; drafts trained on a newer policy are never
         # swapped in (asynchronous RL). The caller sets it with update_policy(..., version=).
         self.policy_version = 0
-        if draft is not None:
+        if speculate:
             # Record what serves now so the first swap has a checksum to compare against.
             state = self._rpc("da_draft_state")
             self._live_checksum = state["checksum"]
         else:
             self._live_checksum = None
+        if speculate and spec_method.in_target and draft is not None:
+            # vLLM started the drafter with the target's own MTP layers: the draft dir's go in now
+            self.swap_draft(draft)
         random.setstate(rng_before[0])
         np.random.set_state(rng_before[1])
         torch.set_rng_state(rng_before[2])
@@ -495,7 +507,7 @@ class RolloutEngine:
         if version is not None:
             self.policy_version = version
         result["ms"] = (time.perf_counter() - t0) * 1e3
-        if checks and self.draft_dir is not None:
+        if checks and self._draft_ref_shapes is not None:  # a draft serves (a dir's, or the target's MTP)
             result["draft"] = self.draft_state()
         return result
 

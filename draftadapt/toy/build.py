@@ -1,6 +1,6 @@
 """Build the toy target: train a tiny model from scratch on the toy task and save it.
 
-    draftadapt toy build --out /tmp/toy_llama [--arch llama|qwen3] [--seed 0] [--steps N]
+    draftadapt toy build --out /tmp/toy_llama [--arch llama|qwen3|qwen2] [--seed 0] [--steps N] [--mtp N]
 
 trains for a few minutes on 2 CPU cores, evaluates accuracy at temperature 1 on the
 held-out prompts, writes an HF model directory (model, tokenizer, generation_config,
@@ -281,8 +281,12 @@ def pick_threads(requested: int) -> int:
 
 
 def build(out: str, arch: str = "llama", seed: int = 0, steps: int | None = None,
-          cfg: ToyTrainConfig | None = None) -> dict:
-    """Train, evaluate and save a toy target in ``out``; returns the summary printed last."""
+          cfg: ToyTrainConfig | None = None, mtp: int = 0) -> dict:
+    """Train, evaluate and save a toy target in ``out``; returns the summary printed last.
+    ``mtp`` > 0: a Qwen2 body with that many MTP layers, trained jointly (toy/mtp.py)."""
+    if mtp and arch != "qwen2":
+        raise ValueError(f"--mtp {mtp} with --arch {arch}: vLLM serves MTP layers on its MiMo path, a "
+                         "Qwen2 body; use --arch qwen2 (the default with --mtp)")
     t0 = time.time()
     cfg = cfg or ToyTrainConfig()
     cfg.model.arch = arch
@@ -293,6 +297,10 @@ def build(out: str, arch: str = "llama", seed: int = 0, steps: int | None = None
     tok = build_tokenizer()
     model = build_model(cfg.model, seed=seed)
     params = sum(p.numel() for p in model.parameters())
+    if mtp:
+        from draftadapt.toy.mtp import JointMTP
+
+        model = JointMTP(model, mtp, seed)
     heldout = task.sample_problems(cfg.heldout, seed + HELDOUT_SEED_OFFSET)
     summary = train(model, tok, cfg, seed, heldout)
     summary.update(settle_style(model, tok, cfg, seed, heldout))
@@ -311,6 +319,8 @@ def build(out: str, arch: str = "llama", seed: int = 0, steps: int | None = None
         "mean_response_chars": round(ev["mean_chars"], 1),
         "out": str(Path(out).resolve()),
     }
+    if mtp:
+        result["mtp_layers"] = mtp
     meta = {
         "task": "repeated +1/-1 from a start in 0-99, worked step by step with countdown labels, "
                 "final answer after '#'",
@@ -323,12 +333,19 @@ def build(out: str, arch: str = "llama", seed: int = 0, steps: int | None = None
         **{k: result[k] for k in ("accuracy", "params", "arch", "seed", "steps", "final_loss",
                                   "verbose_frac", "verbose_prob", "settle_steps", "mean_response_chars")},
     }
-    save(Path(out), model, tok, heldout, meta)
+    if mtp:
+        from draftadapt.toy.mtp import save_mtp
+
+        meta["mtp_layers"] = mtp
+        save(Path(out), model.lm, tok, heldout, meta)
+        save_mtp(Path(out), model.head)
+    else:
+        save(Path(out), model, tok, heldout, meta)
     result["seconds"] = round(time.time() - t0, 1)
     return result
 
 
-def build_cli(out: str, arch: str = "llama", seed: int = 0, steps: int | None = None) -> int:
-    result = build(out, arch=arch, seed=seed, steps=steps)
+def build_cli(out: str, arch: str | None = None, seed: int = 0, steps: int | None = None, mtp: int = 0) -> int:
+    result = build(out, arch=arch or ("qwen2" if mtp else "llama"), seed=seed, steps=steps, mtp=mtp)
     print(json.dumps(result), flush=True)
     return 0

@@ -101,6 +101,10 @@ class DemoConfig:
     toy: str | None = None  # reuse a built toy target (default: OUT/toy, built once)
     draft: str | None = None  # reuse a pretrained draft (default: OUT/draft0, pretrained once)
     seed: int = 0
+    # "eagle3": an Eagle-3 head; "mtp": MTP layers of a toy built with `toy build --mtp 1`, served
+    # with vLLM's method="mtp". Either draft is pretrained on the toy's own samples by
+    # pretrain_recipe (method= set to this), as is the fresh one (docs/design.md, "MTP")
+    method: str = "eagle3"
     k: int = 3
     engine_threads: int = 2
     # how the initial and the fresh reference drafts are pretrained (package data: the demo runs
@@ -264,7 +268,8 @@ def prepare_world(cfg, out: Path) -> tuple[Path, Path]:
     """The toy target and a draft pretrained on it (built once; reused from OUT on a rerun)."""
     from draftadapt.pretrain import prepare_toy_world
 
-    return prepare_toy_world(out, cfg.toy, cfg.draft, cfg.seed, cfg.pretrain_recipe, pretrain_overrides(cfg), tag="demo")
+    return prepare_toy_world(out, cfg.toy, cfg.draft, cfg.seed, cfg.pretrain_recipe, pretrain_overrides(cfg), tag="demo",
+                             method=cfg.method)
 
 
 def measure(engine: RolloutEngine, prompts: list[str], cfg: DemoConfig, max_tokens: int | None = None) -> dict:
@@ -404,9 +409,9 @@ def run(cfg: DemoConfig) -> dict:
     # contend for this interpreter's lock (docs/design.md, "Asynchronous RL")
     rl_engine = EngineProcess if cfg.async_lag else RolloutEngine
     if cfg.spec:
-        adapter = DraftAdapter(toy, draft0, out / "drafts", cfg.adapter)  # its metrics land in our row
+        adapter = DraftAdapter(toy, draft0, out / "drafts", replace(cfg.adapter, method=cfg.method))
         online = cfg.k_policy == "online"
-        spec = rl_engine(toy, draft0, method="eagle3", num_speculative_tokens=cfg.online_k.k_max if online else cfg.k,
+        spec = rl_engine(toy, draft0, method=cfg.method, num_speculative_tokens=cfg.online_k.k_max if online else cfg.k,
                          threads=cfg.engine_threads, seed=cfg.seed,
                          k_schedule=[(1, 64, min(cfg.k, cfg.online_k.k_max))] if online else None)
     plain = (RolloutEngine if cfg.spec else rl_engine)(toy, None, threads=cfg.engine_threads, seed=cfg.seed)
@@ -686,7 +691,10 @@ def save_policy(policy, toy: Path, path: Path) -> None:
     """The final policy as a model dir transformers and vLLM load (tokenizer copied from the toy)."""
     import shutil
 
+    from draftadapt.toy.mtp import carry_mtp_layers
+
     policy.save_pretrained(str(path), safe_serialization=True)
+    carry_mtp_layers(toy, path)  # an MTP toy's final policy is an MTP target again (no-op otherwise)
     for f in toy.iterdir():
         if f.name.startswith(("tokenizer", "special_tokens")) or f.name in ("generation_config.json", "heldout.jsonl"):
             shutil.copy2(f, path / f.name)
@@ -707,13 +715,13 @@ def measure_fresh(cfg: DemoConfig, out: Path, spec: RolloutEngine, prompts: list
         torch.manual_seed(cfg.seed)
         pretrain(load_config(PretrainConfig, cfg.pretrain_recipe, [
             f"target={out / 'final_policy'}", f"out={fresh_dir}", "build_toy=false",
-            f"max_minutes={cfg.fresh_max_minutes}",
+            f"max_minutes={cfg.fresh_max_minutes}", f"method={cfg.method}",
             *pretrain_overrides(cfg)]))
     seconds = time.perf_counter() - t0
     try:
         m = measure_draft(spec, fresh_dir, prompts, cfg)
     except DraftSwapError:  # a user's draft= of another architecture: serve the fresh one apart
-        engine = RolloutEngine(out / "final_policy", fresh_dir, method="eagle3", num_speculative_tokens=cfg.k,
+        engine = RolloutEngine(out / "final_policy", fresh_dir, method=cfg.method, num_speculative_tokens=cfg.k,
                                threads=cfg.engine_threads, seed=cfg.seed)
         try:
             m = measure(engine, prompts, cfg)

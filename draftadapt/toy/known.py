@@ -34,7 +34,10 @@ def transition_matrix(vocab_size: int) -> torch.Tensor:
     return p
 
 
-def build_known_target(out: str | Path, arch: str = "llama", num_layers: int = 2) -> Path:
+def build_known_target(out: str | Path, arch: str = "llama", num_layers: int = 2, mtp: int = 0) -> Path:
+    """``mtp`` > 0 (with ``arch="qwen2"``): also that many MTP layers (toy/mtp.py) whose output is
+    the normalised one-hot of the token they read, so through the same lm_head they propose from
+    the chain's own row: x_{t+2} ~ P[x_{t+1}], the exact conditional (a high-acceptance proposer)."""
     from draftadapt.toy.model import ToyModelConfig, build_model
 
     vocab_size = 64
@@ -56,4 +59,25 @@ def build_known_target(out: str | Path, arch: str = "llama", num_layers: int = 2
     out = Path(out)
     model.save_pretrained(str(out))
     build_tokenizer().save_pretrained(str(out))
+    if mtp:
+        _add_known_mtp(out, model, mtp)
     return out
+
+
+def _add_known_mtp(out: Path, model, mtp: int) -> None:
+    from draftadapt.drafts.mtp import MTP_ARCH, MTPConfig, MTPHead
+    from draftadapt.toy.mtp import save_mtp
+
+    hidden = model.config.hidden_size
+    head = MTPHead(MTPConfig.from_hf({**model.config.to_dict(), "architectures": [MTP_ARCH],
+                                      "num_nextn_predict_layers": mtp}))
+    head.init_weights(0)
+    with torch.no_grad():
+        for layer in head.layers:
+            # x = input_proj([norm(h) ; norm(e)]) = norm(e) = sqrt(H) * one_hot(token); the block
+            # adds nothing (zero o_proj, down_proj) and final_layernorm keeps it
+            layer.input_proj.weight.zero_()
+            layer.input_proj.weight[:, hidden:].copy_(torch.eye(hidden))
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    save_mtp(out, head)

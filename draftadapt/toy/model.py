@@ -9,16 +9,17 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, Qwen3Config, Qwen3ForCausalLM
+from transformers import (LlamaConfig, LlamaForCausalLM, PreTrainedModel, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                          Qwen3ForCausalLM)
 
 from draftadapt.toy.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
-ARCHS = ("llama", "qwen3")
+ARCHS = ("llama", "qwen3", "qwen2")  # qwen2: the body of the MTP toy (toy/mtp.py)
 
 
 @dataclass
 class ToyModelConfig:
-    arch: str = "llama"  # "llama" or "qwen3"
+    arch: str = "llama"  # "llama", "qwen3" or "qwen2" (q/k/v bias; the MTP toy's body)
     # Deep and narrow, so that a one-layer Eagle-3 head weighs against the target roughly as it
     # does at real sizes (docs/design.md, "The toy world's proportions"): 16 layers x 128.
     num_layers: int = 16  # Eagle-3 aux layers (2, 8, 13)
@@ -31,7 +32,7 @@ class ToyModelConfig:
     rope_theta: float = 10000.0
 
 
-def hf_config(cfg: ToyModelConfig) -> LlamaConfig | Qwen3Config:
+def hf_config(cfg: ToyModelConfig) -> LlamaConfig | Qwen3Config | Qwen2Config:
     if cfg.arch not in ARCHS:
         raise ValueError(f"unknown toy arch {cfg.arch!r}; choose one of {ARCHS}")
     common = dict(
@@ -55,6 +56,8 @@ def hf_config(cfg: ToyModelConfig) -> LlamaConfig | Qwen3Config:
     )
     if cfg.arch == "llama":
         return LlamaConfig(**common)
+    if cfg.arch == "qwen2":
+        return Qwen2Config(**common, use_sliding_window=False)
     return Qwen3Config(**common, use_sliding_window=False)
 
 
@@ -62,7 +65,7 @@ def build_model(cfg: ToyModelConfig, seed: int = 0) -> PreTrainedModel:
     """A freshly initialised model; the same ``seed`` gives the same weights."""
     torch.manual_seed(seed)
     hf = hf_config(cfg)
-    model = (LlamaForCausalLM if cfg.arch == "llama" else Qwen3ForCausalLM)(hf)
+    model = {"llama": LlamaForCausalLM, "qwen3": Qwen3ForCausalLM, "qwen2": Qwen2ForCausalLM}[cfg.arch](hf)
     return model
 
 

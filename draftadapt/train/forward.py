@@ -51,8 +51,7 @@ class Eagle3TTT(nn.Module):
         if self.feed == "data":
             def feed(j, _logits):  # ids fed at step j + 1: token t + j + 2
                 return shift_left(input_ids, j + 2, self.pad_id)
-        w = self.head.fc.weight
-        return self.head.unroll(ids, aux.to(w.dtype), steps or self.steps, feed_ids=feed, slots=slots)
+        return self.head.unroll(ids, aux.to(self.head.feature_dtype), steps or self.steps, feed_ids=feed, slots=slots)
 
 
 class DraftLMForward(nn.Module):

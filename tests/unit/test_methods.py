@@ -28,8 +28,8 @@ def test_a_method_is_found_by_name_by_module_and_by_directory(drafts):
     assert method_for(head) is EAGLE3 and method_for(lm) is DRAFT_LM
     assert method_for(EAGLE3.wrap(head, 3)) is EAGLE3 and method_for(DRAFT_LM.wrap(lm)) is DRAFT_LM
     assert EAGLE3.unwrap(EAGLE3.wrap(head, 3)) is head and DRAFT_LM.unwrap(DRAFT_LM.wrap(lm)) is lm
-    with pytest.raises(DraftFormatError, match="unknown draft method 'mtp'"):
-        method_for("mtp")
+    with pytest.raises(DraftFormatError, match="unknown draft method 'medusa'"):
+        method_for("medusa")
 
 
 def test_capture_setup_and_vocabulary_follow_the_method(drafts, tmp_path):
