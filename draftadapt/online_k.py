@@ -46,14 +46,19 @@ class OnlineKConfig:
     # weight of the earlier steps' acceptance counts against the newest step's (a decayed sum:
     # an RL batch holds thousands of drafts, so this smooths the policy's drift, not noise)
     decay: float = 0.5
+    # a longer draft must beat the best shorter one by this fraction of predicted tokens/s: the
+    # cost model is linear in k and has missed steps where a longer draft cost more than that
+    # (docs/design.md, "Choosing k": k = 4 costing what k = 5 did at 32 sequences), and a near
+    # tie is not worth the longer draft's risk
+    margin: float = 0.03
 
     def validate(self) -> None:
         if self.k_max < 1 or not self.batch_sizes or min(self.batch_sizes) < 1:
             raise ConfigError(f"online_k: k_max >= 1 and batch sizes >= 1 (got k_max={self.k_max}, "
                               f"batch_sizes={self.batch_sizes})")
-        if self.calibrate_tokens < 4 or self.repeats < 1 or not 0 <= self.decay < 1:
-            raise ConfigError(f"online_k: calibrate_tokens >= 4, repeats >= 1 and 0 <= decay < 1 (got "
-                              f"{self.calibrate_tokens}, {self.repeats}, {self.decay})")
+        if self.calibrate_tokens < 4 or self.repeats < 1 or not 0 <= self.decay < 1 or self.margin < 0:
+            raise ConfigError(f"online_k: calibrate_tokens >= 4, repeats >= 1, 0 <= decay < 1 and margin >= 0 "
+                              f"(got {self.calibrate_tokens}, {self.repeats}, {self.decay}, {self.margin})")
 
 
 def schedule_text(schedule: KSchedule) -> str:
@@ -65,11 +70,12 @@ class OnlineK:
     """The acceptance counts (a decayed sum), the fitted step-cost model, and the k table they give."""
 
     def __init__(self, model: StepCostModel, max_batch: int, k_max: int, decay: float = 0.5,
-                 counts: AcceptanceStats | None = None):
+                 counts: AcceptanceStats | None = None, margin: float = 0.0):
         self.model = model
         self.max_batch = max_batch
         self.k_max = k_max
         self.decay = decay
+        self.margin = margin
         self.counts = counts if counts is not None else AcceptanceStats(k_max)
         self.calibrate_s = 0.0
 
@@ -88,7 +94,7 @@ class OnlineK:
         """The k table for the current counts: the argmax k per batch size. At least one draft
         token stays on for a single sequence, so the counters keep measuring the draft (an
         adapted draft can become worth drafting again) at the cheapest place to draft."""
-        ks = best_k_per_batch(self.model, self.rates, self.max_batch, self.k_max)
+        ks = best_k_per_batch(self.model, self.rates, self.max_batch, self.k_max, self.margin)
         if not any(ks):
             ks[0] = 1
         return as_schedule(ks)
@@ -151,7 +157,7 @@ class OnlineK:
                             best = res
                     length = best.spec.length if k else 1.0
                     points.append((k, b, step_seconds(b, best.tokens_per_s, length)))
-            online = cls(fit_step_costs(points), engine.max_num_seqs, k_max, cfg.decay, counts)
+            online = cls(fit_step_costs(points), engine.max_num_seqs, k_max, cfg.decay, counts, cfg.margin)
             engine.set_k_schedule(online.choose())
             done = True
         finally:

@@ -6,7 +6,8 @@
 Online k (docs/design.md "Online k") starts one engine at k_max and changes its per-batch-size
 table; the cost model it uses assumes a k drafted that way costs what a fixed-k engine's step
 costs. Two engines on the same target and draft: one started at --k, one at --k-max whose table
-says --k at every batch size (then --k-max, and 0, for reference). Per batch size the arms take
+says --k at every batch size (then --k-max, and 0, for reference), and a plain engine (what k = 0
+in a speculative engine is compared with: its drafter's first pass still runs). Per batch size the arms take
 turns, --rounds times; the fastest round of each is kept. Prints one JSON object: effective ms
 per step (b * acceptance length / tokens/s) and acceptance length per arm and batch size.
 """
@@ -45,7 +46,8 @@ def main() -> int:
     fixed = RolloutEngine(args.toy, args.draft, num_speculative_tokens=args.k, threads=args.threads)
     table = RolloutEngine(args.toy, args.draft, num_speculative_tokens=args.k_max, threads=args.threads,
                           k_schedule=[(1, 64, args.k)])
-    arms = {f"fixed_k{args.k}": (fixed, None), f"table_k{args.k}_of_{args.k_max}": (table, args.k),
+    plain = RolloutEngine(args.toy, None, threads=args.threads)
+    arms = {"plain": (plain, None), f"fixed_k{args.k}": (fixed, None), f"table_k{args.k}_of_{args.k_max}": (table, args.k),
             f"table_k{args.k_max}_of_{args.k_max}": (table, args.k_max), f"table_k0_of_{args.k_max}": (table, 0)}
     best: dict[tuple[str, int], tuple[float, float]] = {}
     try:
@@ -60,8 +62,8 @@ def main() -> int:
                     if (name, b) not in best or ms < best[(name, b)][0]:
                         best[(name, b)] = (ms, length)
     finally:
-        fixed.close()
-        table.close()
+        for engine in (fixed, table, plain):
+            engine.close()
     out = {name: {str(b): {"step_ms": round(best[(name, b)][0], 3), "acceptance_length": round(best[(name, b)][1], 4)}
                   for b in bss} for name in arms}
     print(json.dumps(out))

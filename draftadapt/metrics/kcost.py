@@ -144,9 +144,10 @@ KSchedule = list[tuple[int, int, int]]
 
 
 def best_k_per_batch(model: StepCostModel, per_position: list[float], max_batch: int,
-                     k_max: int | None = None) -> list[int]:
+                     k_max: int | None = None, margin: float = 0.0) -> list[int]:
     """The k in 0..k_max with the most predicted tokens/s at every batch size 1..max_batch (a
-    tie to the smaller k): element b - 1 is the k for b sequences. ``per_position``: rates
+    tie to the smaller k): element b - 1 is the k for b sequences. ``margin``: a longer draft
+    is chosen only if it beats every shorter one by this fraction. ``per_position``: rates
     measured at k >= k_max (``AcceptanceStats.reached_rates``); a nan rate (a position no draft
     reached) counts as 0. A k whose predicted step cost is not positive (the linear cost model
     extrapolated too far below the smallest measured batch) is not chosen."""
@@ -164,7 +165,7 @@ def best_k_per_batch(model: StepCostModel, per_position: list[float], max_batch:
             if not c > 0:
                 continue
             tps = b * acceptance_length_at(rates, k) / c
-            if tps > best:
+            if tps > best * (1 + margin) if best > 0 else tps > best:
                 best, best_k = tps, k
         out.append(best_k)
     return out

@@ -56,6 +56,18 @@ def test_speculation_is_turned_off_where_it_does_not_pay():
     assert best_k_per_batch(MODEL, [0.9, float("nan"), float("nan")], 1) == [1]
 
 
+def test_a_longer_draft_must_beat_the_shorter_ones_by_the_margin():
+    rates = [0.9, 0.8, 0.7, 0.55, 0.4]
+    plain = best_k_per_batch(MODEL, rates, 64)
+    cautious = best_k_per_batch(MODEL, rates, 64, margin=0.03)
+    assert all(c <= p for c, p in zip(cautious, plain)) and cautious != plain
+    for b, k in enumerate(cautious, start=1):
+        tps = [predicted_tokens_per_s(MODEL, j, b, acceptance_length_at(rates, j)) for j in range(6)]
+        assert tps[k] >= max(tps) / 1.03 ** 5  # never far from the best
+        # every longer k that the margin passed over gains less than 3% over the chosen one
+        assert all(tps[j] <= tps[k] * 1.03 for j in range(k + 1, 6)) or k == 0
+
+
 def test_k_max_caps_the_choice_and_needs_the_rates():
     assert max(best_k_per_batch(MODEL, [0.99] * 5, 8, k_max=2)) <= 2
     with pytest.raises(ValueError, match="k_max=6"):
@@ -134,6 +146,6 @@ def test_counts_of_another_k_and_bad_configs_are_refused():
     with pytest.raises(ValueError, match="k_max=5"):
         online.observe(AcceptanceStats(3, 10, [5, 3, 1]))
     for bad in (OnlineKConfig(k_max=0), OnlineKConfig(batch_sizes=[]), OnlineKConfig(decay=1.0),
-                OnlineKConfig(repeats=0)):
+                OnlineKConfig(repeats=0), OnlineKConfig(margin=-0.1)):
         with pytest.raises(ConfigError, match="online_k"):
             bad.validate()
