@@ -7,7 +7,7 @@ drafts in turn (in-place swaps): the frozen pretrained draft (draft0), the newes
 (drafts/LATEST) and, when the demo made one, the draft pretrained fresh on the final policy. The
 plain engine is measured in the same rounds, arms interleaved, so each ratio comes from one run.
 
-Why: longer drafts accept more and can run slower (the paper's k table, shared/PAPER.md), and
+Why: longer drafts accept more and can run slower (the paper's k table, arXiv 2604.26779), and
 on a small CPU target the draft's k sequential forwards are not cheap next to the target's
 verify pass. The acceptance ratio adapted/frozen grows with k; whether tokens/s follows is what
 this measures.
