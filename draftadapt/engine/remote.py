@@ -18,6 +18,7 @@ back. One call at a time: calls from several host threads are serialised.
 
 from __future__ import annotations
 
+import inspect
 import multiprocessing as mp
 import os
 import threading
@@ -56,7 +57,7 @@ def _serve(conn, kwargs: dict) -> None:
                     value = getattr(engine, name)
                     out = ("callable", None, None) if callable(value) else ("ok", value, None)
                 elif op == _SET_THREADS:
-                    torch.set_num_threads(int(name))
+                    torch.set_num_threads(*args)
                     out = ("ok", torch.get_num_threads(), None)
                 else:
                     out = ("ok", getattr(engine, name)(*args, **kw), None)
@@ -78,8 +79,6 @@ class EngineProcess:
         from draftadapt.engine.rollout import RolloutEngine
 
         # bind the arguments here: a wrong one fails in the host, with RolloutEngine's message
-        import inspect
-
         bound = inspect.signature(RolloutEngine.__init__).bind(None, *args, **kwargs)
         bound.apply_defaults()
         params = {k: v for k, v in bound.arguments.items() if k != "self"}
@@ -131,7 +130,7 @@ class EngineProcess:
 
     def set_threads(self, n: int) -> int:
         """The child's torch threads for what it runs next (its generation); returns the count."""
-        return self._ask(_SET_THREADS, str(int(n)))[1]
+        return self._ask(_SET_THREADS, "", (int(n),))[1]
 
     def close(self) -> None:
         if self._closed:
