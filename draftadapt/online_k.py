@@ -39,7 +39,7 @@ class OnlineKConfig:
     k_max: int = 5  # the engine starts with this many speculative tokens; the table picks 0..k_max
     # batch sizes the step costs are measured at, at start (capped at the engine's max_num_seqs);
     # between them the cost model is linear in the batch size
-    batch_sizes: list[int] = field(default_factory=lambda: [1, 8, 32, 64])
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 8, 32, 64, 128, 256])
     calibrate_tokens: int = 32  # response budget of each calibration generation
     # generations per calibration cell; the fastest counts (a busy machine's noise only slows)
     repeats: int = 2
@@ -51,6 +51,13 @@ class OnlineKConfig:
     # (docs/design.md, "Choosing k": k = 4 costing what k = 5 did at 32 sequences), and a near
     # tie is not worth the longer draft's risk
     margin: float = 0.03
+    # Batch sizes up to this one draft k_max whatever the model chooses there: the probe. A
+    # position the table stops reaching gets no counts, so its rate stays what it was when last
+    # reached (a drifted draft's) and a draft that adaptation has improved would never be given a
+    # longer k again (the 18-step seed-2 run froze positions 3-4 at 0.33/0.37 from step 7 on). A
+    # few sequences are where a longer draft costs least (the tail of every RL batch runs there).
+    # 0: no probe; one token still drafts at a single sequence when nothing pays.
+    probe_batch: int = 1
 
     def validate(self) -> None:
         if self.k_max < 1 or not self.batch_sizes or min(self.batch_sizes) < 1:
@@ -59,6 +66,8 @@ class OnlineKConfig:
         if self.calibrate_tokens < 4 or self.repeats < 1 or not 0 <= self.decay < 1 or self.margin < 0:
             raise ConfigError(f"online_k: calibrate_tokens >= 4, repeats >= 1, 0 <= decay < 1 and margin >= 0 "
                               f"(got {self.calibrate_tokens}, {self.repeats}, {self.decay}, {self.margin})")
+        if self.probe_batch < 0:
+            raise ConfigError(f"online_k: probe_batch >= 0 (got {self.probe_batch}); 0 turns the probe off")
 
 
 def schedule_text(schedule: KSchedule) -> str:
@@ -70,8 +79,9 @@ class OnlineK:
     """The acceptance counts (a decayed sum), the fitted step-cost model, and the k table they give."""
 
     def __init__(self, model: StepCostModel, max_batch: int, k_max: int, decay: float = 0.5,
-                 counts: AcceptanceStats | None = None, margin: float = 0.0):
+                 counts: AcceptanceStats | None = None, margin: float = 0.0, probe_batch: int = 0):
         self.model = model
+        self.probe_batch = probe_batch
         self.max_batch = max_batch
         self.k_max = k_max
         self.decay = decay
@@ -91,10 +101,13 @@ class OnlineK:
         self.counts = self.counts.scaled(self.decay) + spec
 
     def choose(self) -> KSchedule:
-        """The k table for the current counts: the argmax k per batch size. At least one draft
-        token stays on for a single sequence, so the counters keep measuring the draft (an
-        adapted draft can become worth drafting again) at the cheapest place to draft."""
+        """The k table for the current counts: the argmax k per batch size, and k_max up to
+        ``probe_batch`` sequences so every position keeps being measured. Without a probe at
+        least one draft token stays on for a single sequence, so the counters keep measuring the
+        draft (an adapted draft can become worth drafting again) at the cheapest place to draft."""
         ks = best_k_per_batch(self.model, self.rates, self.max_batch, self.k_max, self.margin)
+        for b in range(min(self.probe_batch, self.max_batch)):
+            ks[b] = self.k_max
         if not any(ks):
             ks[0] = 1
         return as_schedule(ks)
@@ -157,7 +170,8 @@ class OnlineK:
                             best = res
                     length = best.spec.length if k else 1.0
                     points.append((k, b, step_seconds(b, best.tokens_per_s, length)))
-            online = cls(fit_step_costs(points), engine.max_num_seqs, k_max, cfg.decay, counts, cfg.margin)
+            online = cls(fit_step_costs(points), engine.max_num_seqs, k_max, cfg.decay, counts, cfg.margin,
+                         cfg.probe_batch)
             engine.set_k_schedule(online.choose())
             done = True
         finally:

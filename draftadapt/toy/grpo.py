@@ -107,6 +107,10 @@ class DemoConfig:
     method: str = "eagle3"
     k: int = 3
     engine_threads: int = 2
+    # Sequences each engine decodes at once (vLLM's max_num_seqs): the RL batch
+    # (grpo.prompts_per_step x group_size) queues behind it. Larger batches are where a draft pays
+    # least on a compute-bound target (docs/design.md, "Choosing k").
+    max_num_seqs: int = 64
     # how the initial and the fresh reference drafts are pretrained (package data: the demo runs
     # from any directory)
     pretrain_recipe: str = str(PRETRAIN_RECIPE)
@@ -169,6 +173,8 @@ class DemoConfig:
                               "adapter_background=true")
         if self.async_threads < 1:
             raise ConfigError(f"async_threads={self.async_threads}: give at least 1 torch thread per job")
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs={self.max_num_seqs}: the engines need room for at least 1 sequence")
         if self.sync and not self.async_lag:
             raise ConfigError("sync= compares an asynchronous run with a synchronous one: set async_lag=1 too")
 
@@ -304,6 +310,23 @@ def measure_arms(plain: RolloutEngine, spec: RolloutEngine, draft0: Path, prompt
     return m_plain, m_frozen, m_adapted
 
 
+# k_policy=online: the adapted draft also served at the fixed k, on the same engine, prompts and
+# policy, every step: online k against fixed k measured in one run (two runs' RL trajectories
+# differ with every sample, and their drafts with them).
+FIXED_K_ARM = "adapted_fixed_k"
+
+
+def measure_fixed_k(spec: RolloutEngine, prompts: list[str], cfg: DemoConfig, max_tokens: int | None = None) -> dict:
+    """The live draft at ``cfg.k`` tokens at every batch size: swap the engine's k table, generate,
+    put the online table back."""
+    table = spec.k_schedule
+    spec.set_k_schedule([(1, spec.max_num_seqs, cfg.k)])
+    try:
+        return measure(spec, prompts, cfg, max_tokens)
+    finally:
+        spec.set_k_schedule(table)
+
+
 def measure_draft(spec: RolloutEngine, draft: Path, prompts: list[str], cfg: DemoConfig,
                   max_tokens: int | None = None) -> dict:
     """Measure another draft in the running engine: swap it in, generate, swap the live one back."""
@@ -345,9 +368,17 @@ def record_step(r: Run, row: dict, step: int, version: int, problems: list[dict]
     t_measure = time.perf_counter()
     rl_batch = None
     if spec is not None:
+        fixed_first = r.online_k is not None and step % 2 == 1  # beside the adapted arm, both orders
+        if fixed_first:
+            r.arms[FIXED_K_ARM].append(measure_fixed_k(spec, r.eval_prompts, cfg))
         m_plain, m_frozen, m_adapted = measure_arms(plain, spec, r.draft0, r.eval_prompts, cfg, step)
         for name, m in (("plain", m_plain), ("frozen", m_frozen), ("adapted", m_adapted)):
             r.arms[name].append(m)
+        if r.online_k is not None and not fixed_first:
+            r.arms[FIXED_K_ARM].append(measure_fixed_k(spec, r.eval_prompts, cfg))
+        if r.online_k is not None:
+            row[f"tps/{FIXED_K_ARM}"] = r.arms[FIXED_K_ARM][-1]["tokens_per_s"]
+            row[f"accept/{FIXED_K_ARM}_length"] = r.arms[FIXED_K_ARM][-1]["acceptance_length"]
         for name, engine in r.baselines.items():
             r.arms[name].append(measure(engine, r.eval_prompts, cfg))
             row[f"accept/{name}_length"] = r.arms[name][-1]["acceptance_length"]
@@ -361,8 +392,10 @@ def record_step(r: Run, row: dict, step: int, version: int, problems: list[dict]
             "draft/age_policy_versions": float(version - adapter.store.latest().policy_version),
         })
         if step == cfg.grpo.steps - 1 and cfg.rl_batch_arms:
-            rl_batch = measure_arms(plain, spec, r.draft0, [p["prompt"] for p in problems], cfg, step,
-                                    max_tokens=cfg.grpo.max_tokens)
+            batch = [p["prompt"] for p in problems]
+            rl_batch = measure_arms(plain, spec, r.draft0, batch, cfg, step, max_tokens=cfg.grpo.max_tokens)
+            if r.online_k is not None:
+                rl_batch = (*rl_batch, measure_fixed_k(spec, batch, cfg, max_tokens=cfg.grpo.max_tokens))
     else:
         m_plain = measure(plain, r.eval_prompts, cfg)
         r.arms["plain"].append(m_plain)
@@ -380,6 +413,8 @@ def record_step(r: Run, row: dict, step: int, version: int, problems: list[dict]
           f"{row['stage/train_s']:.1f} adapt {row['stage/adapt_s']:.2f})"
           + (f" | draft v{int(row['draft/version'])}" if spec is not None else "")
           + "".join(f" | {name} {row[f'accept/{name}_length']:.2f}" for name in r.baselines)
+          + (f" | tok/s online/k={cfg.k} {row['tps/adapted'] / row[f'tps/{FIXED_K_ARM}']:.2f}"
+             if r.online_k is not None else "")
           + (f" | k {row.get('k/schedule', 'unchanged')}" if r.online_k is not None else ""), flush=True)
     return rl_batch
 
@@ -412,13 +447,14 @@ def run(cfg: DemoConfig) -> dict:
         adapter = DraftAdapter(toy, draft0, out / "drafts", replace(cfg.adapter, method=cfg.method))
         online = cfg.k_policy == "online"
         spec = rl_engine(toy, draft0, method=cfg.method, num_speculative_tokens=cfg.online_k.k_max if online else cfg.k,
-                         threads=cfg.engine_threads, seed=cfg.seed,
-                         k_schedule=[(1, 64, min(cfg.k, cfg.online_k.k_max))] if online else None)
-    plain = (RolloutEngine if cfg.spec else rl_engine)(toy, None, threads=cfg.engine_threads, seed=cfg.seed)
+                         threads=cfg.engine_threads, seed=cfg.seed, max_num_seqs=cfg.max_num_seqs,
+                         k_schedule=[(1, cfg.max_num_seqs, min(cfg.k, cfg.online_k.k_max))] if online else None)
+    plain = (RolloutEngine if cfg.spec else rl_engine)(toy, None, threads=cfg.engine_threads, seed=cfg.seed,
+                                                       max_num_seqs=cfg.max_num_seqs)
     # the model-free drafters each in a process of their own: in this one, the n-gram engine's
     # start made every later policy update 2.7x slower (3.2 s -> 8.4-8.9 s a step)
     baselines = {m: EngineProcess(toy, None, method=m, num_speculative_tokens=cfg.k, threads=cfg.engine_threads,
-                                  seed=cfg.seed) for m in (cfg.baselines if cfg.spec else [])}
+                                  seed=cfg.seed, max_num_seqs=cfg.max_num_seqs) for m in (cfg.baselines if cfg.spec else [])}
     rollout_engine = spec or plain  # what the RL step generates with
     eval_prompts = [p["prompt"] for p in task.load_heldout(toy)[: cfg.eval.prompts]]
     spool = None
@@ -437,6 +473,8 @@ def run(cfg: DemoConfig) -> dict:
               f"{schedule_text(spec.k_schedule)} (batch sizes:k)", flush=True)
     history: list[dict] = []
     arms = {"plain": [], "frozen": [], "adapted": []} if cfg.spec else {"plain": []}
+    if online_k is not None:
+        arms[FIXED_K_ARM] = []
     arms.update({m: [] for m in baselines})
     rl_batch = None
     r = Run(cfg, policy, reference, opt, pad_id, logger, adapter, spec, plain, draft0, eval_prompts, spool, rng,
@@ -777,15 +815,17 @@ def summarize(cfg: DemoConfig, history: list[dict], arms: dict, seconds: float, 
             "last_third_tokens_per_s": throughput(ms[-last:]),
         }
     if rl_batch is not None:
-        p, f, a = rl_batch
+        p, f, a = rl_batch[:3]
+        measured = [("plain", p), ("frozen", f), ("adapted", a)] + [(FIXED_K_ARM, m) for m in rl_batch[3:]]
         s["rl_batch_arms"] = {
             "measured_at": f"the last step's {cfg.grpo.prompts_per_step * cfg.grpo.group_size} rollout prompts "
                            f"(the RL batch), final policy",
             **{name: {"tokens_per_s": m["tokens_per_s"], "acceptance_length": m["acceptance_length"]}
-               for name, m in (("plain", p), ("frozen", f), ("adapted", a))},
-            "adapted_over_plain_tokens_per_s": a["tokens_per_s"] / p["tokens_per_s"],
-            "frozen_over_plain_tokens_per_s": f["tokens_per_s"] / p["tokens_per_s"],
+               for name, m in measured},
+            **{f"{name}_over_plain_tokens_per_s": m["tokens_per_s"] / p["tokens_per_s"] for name, m in measured[1:]},
         }
+        if len(rl_batch) > 3:
+            s["rl_batch_arms"]["online_over_fixed_k_tokens_per_s"] = a["tokens_per_s"] / rl_batch[3]["tokens_per_s"]
     if baseline is not None:
         b = baseline["end_to_end"]
         e = s["end_to_end"]
@@ -816,9 +856,12 @@ def summarize(cfg: DemoConfig, history: list[dict], arms: dict, seconds: float, 
         "adapted_over_frozen_acceptance": a["last_third_acceptance"] / f["last_third_acceptance"],
         "adapted_over_plain_tokens_per_s": a["last_third_tokens_per_s"] / p["last_third_tokens_per_s"],
     }
-    for name in sorted(set(s["arms"]) - {"plain", "frozen", "adapted"}):  # the model-free baselines
+    for name in sorted(set(s["arms"]) - {"plain", "frozen", "adapted"}):  # model-free baselines, fixed k
         s["last_third"][f"{name}_over_plain_tokens_per_s"] = (s["arms"][name]["last_third_tokens_per_s"]
                                                               / p["last_third_tokens_per_s"])
+    if FIXED_K_ARM in s["arms"]:
+        s["last_third"]["online_over_fixed_k_tokens_per_s"] = (a["last_third_tokens_per_s"]
+                                                               / s["arms"][FIXED_K_ARM]["last_third_tokens_per_s"])
     if fresh is not None:
         s["fresh_final"] = fresh
         s["last_third"]["adapted_over_fresh_final_acceptance"] = a["last_third_acceptance"] / fresh["acceptance_length"]

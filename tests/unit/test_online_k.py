@@ -141,11 +141,28 @@ def test_a_table_never_turns_every_draft_off():
     assert online.choose() == [(1, 1, 1), (2, 64, 0)]
 
 
+def test_the_probe_keeps_k_max_at_the_smallest_batches_so_every_position_stays_measured():
+    # a drifted draft: the model shortens the drafts, but up to probe_batch sequences the table
+    # still drafts k_max, so positions 3-4 keep getting counts and can earn a longer k back
+    low = stats([500, 250, 100, 30, 10], [1000] * 5, 1000)
+    plain = OnlineK(MODEL, 64, 5, counts=low)
+    probed = OnlineK(MODEL, 64, 5, counts=low, probe_batch=2)
+    assert k_at(plain.choose(), 1) < 5
+    assert probed.choose()[0] == (1, 2, 5)
+    assert [k_at(probed.choose(), b) for b in range(3, 65)] == [k_at(plain.choose(), b) for b in range(3, 65)]
+    # counts reach the later positions only through the probe: their rates then follow the
+    # newest draft instead of staying at the drifted one's
+    engine = RecordingEngine(probed.choose())
+    for _ in range(6):
+        probed.update(engine, stats([950, 880, 800, 30, 26], [1000, 1000, 1000, 40, 40], 1000))
+    assert probed.rates[3] > 0.6 and probed.rates[4] > 0.5
+
+
 def test_counts_of_another_k_and_bad_configs_are_refused():
     online = OnlineK(MODEL, 64, 5)
     with pytest.raises(ValueError, match="k_max=5"):
         online.observe(AcceptanceStats(3, 10, [5, 3, 1]))
     for bad in (OnlineKConfig(k_max=0), OnlineKConfig(batch_sizes=[]), OnlineKConfig(decay=1.0),
-                OnlineKConfig(repeats=0), OnlineKConfig(margin=-0.1)):
+                OnlineKConfig(repeats=0), OnlineKConfig(margin=-0.1), OnlineKConfig(probe_batch=-1)):
         with pytest.raises(ConfigError, match="online_k"):
             bad.validate()
