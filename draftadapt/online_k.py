@@ -129,8 +129,10 @@ class OnlineK:
     @classmethod
     def calibrate(cls, engine, prompts: Sequence[str] | Sequence[Sequence[int]], cfg: OnlineKConfig | None = None,
                   temperature: float = 1.0, seed: int = 0) -> "OnlineK":
-        """Fit the step-cost model on ``engine`` itself: its table set to one k at a time (0, 1
-        and the engine's k), ``cfg.calibrate_tokens`` tokens for each calibration batch size of
+        """Fit the step-cost model on ``engine`` itself: its table set to one k at a time (every k
+        from 0 to the engine's: the cost is convex in k at large batches, and a line through
+        three lengths over-priced the middle ones there, docs/design.md "Online k"),
+        ``cfg.calibrate_tokens`` tokens for each calibration batch size of
         ``prompts`` (reused in order when there are fewer). The k = 0 cost is this engine's (its
         drafter's first pass still runs, docs/design.md "Online k"), not a plain engine's. The
         k_max generations also give the first acceptance counts; the engine then serves the
@@ -150,7 +152,7 @@ class OnlineK:
         t0 = time.perf_counter()
         done = False
         try:
-            for k in sorted({0, 1, k_max}):
+            for k in range(k_max + 1):
                 engine.set_k_schedule([(1, engine.max_num_seqs, k)])
                 for b in bss:
                     best = None

@@ -14,12 +14,16 @@ CPU) c grows with k and with b, so the k that pays falls as the batch grows (doc
 The model, per measured batch size b:
 
     c(0, b) = plain(b)
-    c(k, b) = plain(b) + fixed(b) + k * per_k(b)              (k >= 1)
+    c(k, b) = plain(b) + fixed(b) + k * per_k(b) + k^2 * per_k2(b)      (k >= 1)
 
 ``fixed`` is what any speculative step adds (the drafter's bookkeeping, the rejection sampler),
 ``per_k`` one more draft forward plus one more verified token per sequence. Three measured
-lengths (0, the smallest and the largest k >= 1) determine it; between measured batch sizes
-each coefficient is interpolated linearly in b (extrapolated from the end segments).
+lengths (0, the smallest and the largest k >= 1) determine the linear part; ``per_k2`` is fitted
+only where five or more lengths were measured (one more than its four coefficients, so a noisy
+cell is smoothed, not interpolated): on this CPU a step's cost grows faster than
+linearly in k once the batch is large (docs/design.md, "Choosing k"), and a line through k = 1
+and k = 5 then over-prices the k in between. Between measured batch sizes each coefficient is
+interpolated linearly in b (extrapolated from the end segments).
 
 Acceptance needs one engine: vLLM's per-position rates at k_max, r_i = P(positions 0..i all
 accepted), give L(k) = 1 + sum_{i<k} r_i for every k <= k_max (the first k positions of a
@@ -50,25 +54,31 @@ def fit_ks(ks: list[int]) -> list[int]:
 
 @dataclass
 class StepCostModel:
-    """c(k, b) = plain(b) + [k > 0] fixed(b) + k per_k(b), coefficients per measured batch size."""
+    """c(k, b) = plain(b) + [k > 0] fixed(b) + k per_k(b) + k^2 per_k2(b), coefficients per
+    measured batch size."""
 
     batch_sizes: list[int]  # ascending
     plain: list[float]  # seconds per plain step, per batch size
     fixed: list[float]  # seconds a speculative step adds whatever k
     per_k: list[float]  # seconds per extra draft token
+    per_k2: list[float] | None = None  # the curvature in k (None: a line in k)
 
     def to_dict(self) -> dict[str, list]:
-        return {"batch_sizes": self.batch_sizes, "plain_s": self.plain, "spec_fixed_s": self.fixed,
-                "per_k_s": self.per_k}
+        out = {"batch_sizes": self.batch_sizes, "plain_s": self.plain, "spec_fixed_s": self.fixed,
+               "per_k_s": self.per_k}
+        if self.per_k2 is not None:
+            out["per_k2_s"] = self.per_k2
+        return out
 
 
 def fit_step_costs(points: list[tuple[int, int, float]]) -> StepCostModel:
     """Least-squares fit of the step-cost model to measured (k, batch_size, seconds/step) points.
 
-    Per batch size, the features of k are [1, k > 0, k]; each point is weighted by 1/seconds so
-    the fit minimises relative error. With fewer than three distinct k at a batch size the
-    minimum-norm solution is taken: exact at the measured k, and the measured k are then the
-    only ones asked for. Every batch size needs k = 0 measured (the plain step anchors it).
+    Per batch size, the features of k are [1, k > 0, k], and k^2 where five or more distinct k
+    were measured there; each point is weighted by 1/seconds so the fit minimises relative
+    error. With fewer than three distinct k at a batch size the minimum-norm solution is taken:
+    exact at the measured k, and the measured k are then the only ones asked for. Every batch
+    size needs k = 0 measured (the plain step anchors it).
     """
     by_b: dict[int, list[tuple[int, float]]] = {}
     for k, b, s in points:
@@ -79,19 +89,21 @@ def fit_step_costs(points: list[tuple[int, int, float]]) -> StepCostModel:
     if not by_b:
         raise ValueError("no step-cost points to fit; measure at least k=0 at one batch size")
     bss = sorted(by_b)
-    plain, fixed, per_k = [], [], []
+    plain, fixed, per_k, per_k2 = [], [], [], []
     for b in bss:
         rows = by_b[b]
         if not any(k == 0 for k, _ in rows):
             raise ValueError(f"batch size {b} has no k=0 (plain) measurement; the model is anchored on it")
-        x = np.array([[1.0, float(k > 0), float(k)] for k, _ in rows])
+        curved = len({k for k, _ in rows}) >= 5
+        x = np.array([[1.0, float(k > 0), float(k)] + ([float(k * k)] if curved else []) for k, _ in rows])
         y = np.array([s for _, s in rows])
         w = 1.0 / y
         coef, *_ = np.linalg.lstsq(x * w[:, None], y * w, rcond=None)
         plain.append(float(coef[0]))
         fixed.append(float(coef[1]))
         per_k.append(float(coef[2]))
-    return StepCostModel(bss, plain, fixed, per_k)
+        per_k2.append(float(coef[3]) if curved else 0.0)
+    return StepCostModel(bss, plain, fixed, per_k, per_k2 if any(per_k2) else None)
 
 
 def _interp(xs: list[int], ys: list[float], x: float) -> float:
@@ -109,6 +121,8 @@ def step_cost(model: StepCostModel, k: int, batch_size: int) -> float:
     c = _interp(bss, model.plain, batch_size)
     if k > 0:
         c += _interp(bss, model.fixed, batch_size) + k * _interp(bss, model.per_k, batch_size)
+        if model.per_k2 is not None:
+            c += k * k * _interp(bss, model.per_k2, batch_size)
     return c
 
 

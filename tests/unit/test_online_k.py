@@ -15,6 +15,7 @@ from draftadapt.metrics.kcost import (
     fit_step_costs,
     k_at,
     predicted_tokens_per_s,
+    step_cost,
     acceptance_length_at,
 )
 from draftadapt.online_k import OnlineK, OnlineKConfig, schedule_text
@@ -72,6 +73,26 @@ def test_k_max_caps_the_choice_and_needs_the_rates():
     assert max(best_k_per_batch(MODEL, [0.99] * 5, 8, k_max=2)) <= 2
     with pytest.raises(ValueError, match="k_max=6"):
         best_k_per_batch(MODEL, [0.9] * 5, 8, k_max=6)
+
+
+# Measured (vLLM, 64 sequences, the seed-2 toy's final policy and adapted head, 96 tokens): ms
+# per step at k = 0..4, and the head's per-position rates. The step cost is convex in k here.
+STEPS_64 = {0: 20.185, 1: 31.085, 2: 36.398, 3: 43.909, 4: 54.095}
+RATES_64 = [0.9331, 0.8457, 0.7855, 0.6108]
+
+
+def test_the_cost_curves_in_k_where_five_lengths_were_measured():
+    curved = fit_step_costs([(k, 64, ms / 1000) for k, ms in STEPS_64.items()])
+    assert curved.per_k2 is not None and curved.per_k2[0] > 0
+    for k, ms in STEPS_64.items():  # the fit follows every measured length to within 1%
+        assert step_cost(curved, k, 64) * 1000 == pytest.approx(ms, rel=0.01)
+    # three lengths: a line in k, as before; it over-prices k = 2 and 3 by about 6%, and with
+    # these rates picks k = 4 where k = 3 measured fastest (5159 tokens/s against 4848)
+    line = fit_step_costs([(k, 64, STEPS_64[k] / 1000) for k in (0, 1, 4)])
+    assert line.per_k2 is None and step_cost(line, 3, 64) * 1000 == pytest.approx(46.42, abs=0.05)
+    assert best_k_per_batch(line, RATES_64, 64, 4)[63] == 4
+    assert best_k_per_batch(curved, RATES_64, 64, 4)[63] == 3
+    assert curved.to_dict()["per_k2_s"] == curved.per_k2 and "per_k2_s" not in line.to_dict()
 
 
 def test_schedule_ranges_and_lookup_match_vllm():
