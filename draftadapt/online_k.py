@@ -51,13 +51,12 @@ class OnlineKConfig:
     # (docs/design.md, "Choosing k": k = 4 costing what k = 5 did at 32 sequences), and a near
     # tie is not worth the longer draft's risk
     margin: float = 0.03
-    # Batch sizes up to this one draft k_max whatever the model chooses there: the probe. A
-    # position the table stops reaching gets no counts, so its rate stays what it was when last
-    # reached (a drifted draft's) and a draft that adaptation has improved would never be given a
-    # longer k again (the 18-step seed-2 run froze positions 3-4 at 0.33/0.37 from step 7 on). A
-    # few sequences are where a longer draft costs least (the tail of every RL batch runs there).
-    # 0: no probe; one token still drafts at a single sequence when nothing pays.
-    probe_batch: int = 1
+    # A position's rate counts as measured where at least this share of the (decayed) drafts
+    # reached it; past the last measured position the rates are extrapolated from its
+    # conditional acceptance. A position the table stops drafting gets few or no new counts, so
+    # its rate would stay what it was when the draft was drifted and the table could never give
+    # an improved draft the longer k back (measured: docs/design.md, "Online k").
+    min_reach: float = 0.25
 
     def validate(self) -> None:
         if self.k_max < 1 or not self.batch_sizes or min(self.batch_sizes) < 1:
@@ -66,8 +65,8 @@ class OnlineKConfig:
         if self.calibrate_tokens < 4 or self.repeats < 1 or not 0 <= self.decay < 1 or self.margin < 0:
             raise ConfigError(f"online_k: calibrate_tokens >= 4, repeats >= 1, 0 <= decay < 1 and margin >= 0 "
                               f"(got {self.calibrate_tokens}, {self.repeats}, {self.decay}, {self.margin})")
-        if self.probe_batch < 0:
-            raise ConfigError(f"online_k: probe_batch >= 0 (got {self.probe_batch}); 0 turns the probe off")
+        if not 0 < self.min_reach <= 1:
+            raise ConfigError(f"online_k: 0 < min_reach <= 1 (got {self.min_reach})")
 
 
 def schedule_text(schedule: KSchedule) -> str:
@@ -79,9 +78,9 @@ class OnlineK:
     """The acceptance counts (a decayed sum), the fitted step-cost model, and the k table they give."""
 
     def __init__(self, model: StepCostModel, max_batch: int, k_max: int, decay: float = 0.5,
-                 counts: AcceptanceStats | None = None, margin: float = 0.0, probe_batch: int = 0):
+                 counts: AcceptanceStats | None = None, margin: float = 0.0, min_reach: float = 0.25):
         self.model = model
-        self.probe_batch = probe_batch
+        self.min_reach = min_reach
         self.max_batch = max_batch
         self.k_max = k_max
         self.decay = decay
@@ -91,8 +90,32 @@ class OnlineK:
 
     @property
     def rates(self) -> list[float]:
-        """P(positions 0..i accepted) per position, from the decayed counts."""
-        return self.counts.reached_rates
+        """P(positions 0..i accepted) per position, from the decayed counts where at least
+        ``min_reach`` of the drafts reached the position, else extrapolated: each further
+        position accepted with the last measured conditional rate r_i / r_(i-1) (r_0 itself when
+        only position 0 is measured). Optimistic on purpose: a longer k it earns is measured at
+        once, and corrected if it does not hold, while a pessimistic guess is never revisited."""
+        measured = self.counts.reached_rates
+        reached = self.counts.drafts_per_position(self.k_max)
+        out: list[float] = []
+        for i, r in enumerate(measured):
+            if i == 0 or (r == r and reached[i] >= self.min_reach * reached[0]):
+                out.append(r)
+                continue
+            prev = out[i - 1]
+            cond = prev / out[i - 2] if i >= 2 and out[i - 2] > 0 else prev
+            out.append(prev * min(1.0, cond) if prev == prev else prev)
+        return out
+
+    @property
+    def measured_positions(self) -> int:
+        """Leading positions whose rate is measured, not extrapolated (see ``rates``)."""
+        measured = self.counts.reached_rates
+        reached = self.counts.drafts_per_position(self.k_max)
+        n = 0
+        while n < len(measured) and measured[n] == measured[n] and reached[n] >= self.min_reach * reached[0]:
+            n += 1
+        return n
 
     def observe(self, spec: AcceptanceStats) -> None:
         """Fold one generation's counters in (older ones weigh ``decay`` per step)."""
@@ -101,13 +124,10 @@ class OnlineK:
         self.counts = self.counts.scaled(self.decay) + spec
 
     def choose(self) -> KSchedule:
-        """The k table for the current counts: the argmax k per batch size, and k_max up to
-        ``probe_batch`` sequences so every position keeps being measured. Without a probe at
-        least one draft token stays on for a single sequence, so the counters keep measuring the
-        draft (an adapted draft can become worth drafting again) at the cheapest place to draft."""
+        """The k table for the current counts: the argmax k per batch size. At least one draft
+        token stays on for a single sequence, so the counters keep measuring the draft (an
+        adapted draft can become worth drafting again) at the cheapest place to draft."""
         ks = best_k_per_batch(self.model, self.rates, self.max_batch, self.k_max, self.margin)
-        for b in range(min(self.probe_batch, self.max_batch)):
-            ks[b] = self.k_max
         if not any(ks):
             ks[0] = 1
         return as_schedule(ks)
@@ -124,6 +144,7 @@ class OnlineK:
         out = {f"k/b{b}": float(k_at(schedule, b)) for b in self.model.batch_sizes}
         out["k/changed"] = float(changed)
         out.update({f"k/rate_pos_{i}": r for i, r in enumerate(self.rates)})
+        out["k/measured_positions"] = float(self.measured_positions)
         return out
 
     @classmethod
@@ -173,7 +194,7 @@ class OnlineK:
                     length = best.spec.length if k else 1.0
                     points.append((k, b, step_seconds(b, best.tokens_per_s, length)))
             online = cls(fit_step_costs(points), engine.max_num_seqs, k_max, cfg.decay, counts, cfg.margin,
-                         cfg.probe_batch)
+                         cfg.min_reach)
             engine.set_k_schedule(online.choose())
             done = True
         finally:

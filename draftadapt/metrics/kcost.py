@@ -75,7 +75,8 @@ def fit_step_costs(points: list[tuple[int, int, float]]) -> StepCostModel:
     """Least-squares fit of the step-cost model to measured (k, batch_size, seconds/step) points.
 
     Per batch size, the features of k are [1, k > 0, k], and k^2 where five or more distinct k
-    were measured there; each point is weighted by 1/seconds so the fit minimises relative
+    were measured there and its coefficient comes out positive (a negative one is noise: the
+    step would get cheaper per draft token as k grows); each point is weighted by 1/seconds so the fit minimises relative
     error. With fewer than three distinct k at a batch size the minimum-norm solution is taken:
     exact at the measured k, and the measured k are then the only ones asked for. Every batch
     size needs k = 0 measured (the plain step anchors it).
@@ -94,11 +95,18 @@ def fit_step_costs(points: list[tuple[int, int, float]]) -> StepCostModel:
         rows = by_b[b]
         if not any(k == 0 for k, _ in rows):
             raise ValueError(f"batch size {b} has no k=0 (plain) measurement; the model is anchored on it")
-        curved = len({k for k, _ in rows}) >= 5
-        x = np.array([[1.0, float(k > 0), float(k)] + ([float(k * k)] if curved else []) for k, _ in rows])
         y = np.array([s for _, s in rows])
         w = 1.0 / y
-        coef, *_ = np.linalg.lstsq(x * w[:, None], y * w, rcond=None)
+        coef = None
+        if len({k for k, _ in rows}) >= 5:
+            x = np.array([[1.0, float(k > 0), float(k), float(k * k)] for k, _ in rows])
+            coef, *_ = np.linalg.lstsq(x * w[:, None], y * w, rcond=None)
+            if coef[3] < 0:  # a step never gets cheaper per draft token as k grows: that is noise
+                coef = None
+        curved = coef is not None
+        if coef is None:
+            x = np.array([[1.0, float(k > 0), float(k)] for k, _ in rows])
+            coef, *_ = np.linalg.lstsq(x * w[:, None], y * w, rcond=None)
         plain.append(float(coef[0]))
         fixed.append(float(coef[1]))
         per_k.append(float(coef[2]))
