@@ -266,6 +266,7 @@ class DraftAdapter:
         self.trigger = DriftTrigger(self.cfg.schedule)
         self.gate = ValidationGate(self.cfg.validation, self.cfg.k)
         self.engines = EngineSwaps(self.store)
+        self._simulated: dict[int, float] = {}  # published version -> its simulated acceptance length
         self._round: Future | None = None  # a round started by start_step, not yet finished
         self._round_pool: ThreadPoolExecutor | None = None
         latest = self.store.latest()
@@ -426,6 +427,7 @@ class DraftAdapter:
             if all(self.targets.handed_over(it) for it in train + heldout):
                 target_version = max(it.policy_version for it in train + heldout)
             version = self.publisher.publish(target_version)
+            self._simulated[version] = candidate
             metrics["adapt/published"] = 1.0
             metrics["draft/published_version"] = float(version)
         else:
@@ -516,6 +518,12 @@ class DraftAdapter:
                 self._round_pool = None
 
     # ------------------------------------------------------------------ engine side
+
+    def simulated_length(self, version: int) -> float | None:
+        """The acceptance length at ``cfg.k`` this adapter simulated on held-out rollouts for the
+        draft it published as ``version`` (what decided the publish); None for a version it did
+        not publish. Online k starts a newly swapped-in draft from it (``OnlineK.new_draft``)."""
+        return self._simulated.get(version)
 
     def swap(self, engine) -> Any:
         """Put the newest published draft the engine may serve into it, in place

@@ -57,6 +57,11 @@ class OnlineKConfig:
     # its rate would stay what it was when the draft was drifted and the table could never give
     # an improved draft the longer k back (measured: docs/design.md, "Online k").
     min_reach: float = 0.25
+    # A newly swapped-in draft starts from the acceptance its adapter simulated on held-out
+    # rollouts (``new_draft``), counted as this many drafts: the next RL batch's thousands then
+    # outweigh it. Without it a table that had turned drafting off for a weak draft would never
+    # measure the better one that replaced it.
+    prior_drafts: int = 64
 
     def validate(self) -> None:
         if self.k_max < 1 or not self.batch_sizes or min(self.batch_sizes) < 1:
@@ -65,6 +70,8 @@ class OnlineKConfig:
         if self.calibrate_tokens < 4 or self.repeats < 1 or not 0 <= self.decay < 1 or self.margin < 0:
             raise ConfigError(f"online_k: calibrate_tokens >= 4, repeats >= 1, 0 <= decay < 1 and margin >= 0 "
                               f"(got {self.calibrate_tokens}, {self.repeats}, {self.decay}, {self.margin})")
+        if self.prior_drafts < 1:
+            raise ConfigError(f"online_k: prior_drafts >= 1 (got {self.prior_drafts})")
         if not 0 < self.min_reach <= 1:
             raise ConfigError(f"online_k: 0 < min_reach <= 1 (got {self.min_reach})")
 
@@ -78,9 +85,11 @@ class OnlineK:
     """The acceptance counts (a decayed sum), the fitted step-cost model, and the k table they give."""
 
     def __init__(self, model: StepCostModel, max_batch: int, k_max: int, decay: float = 0.5,
-                 counts: AcceptanceStats | None = None, margin: float = 0.0, min_reach: float = 0.25):
+                 counts: AcceptanceStats | None = None, margin: float = 0.0, min_reach: float = 0.25,
+                 prior_drafts: int = 64):
         self.model = model
         self.min_reach = min_reach
+        self.prior_drafts = prior_drafts
         self.max_batch = max_batch
         self.k_max = k_max
         self.decay = decay
@@ -131,6 +140,29 @@ class OnlineK:
         if not any(ks):
             ks[0] = 1
         return as_schedule(ks)
+
+    def new_draft(self, engine, acceptance_length: float, k: int) -> dict[str, float]:
+        """Another draft serves in ``engine`` now: the counts of the one before no longer describe
+        it. Start from the rates of a draft whose every position is accepted with the same
+        conditional rate c, c chosen so a ``k``-token draft has ``acceptance_length`` (the
+        adapter's simulated length on held-out rollouts, ``DraftAdapter.simulated_length``),
+        weighted as ``prior_drafts`` drafts; re-choose and write the table."""
+        if not acceptance_length >= 1.0 or k < 1:
+            raise ValueError(f"new_draft needs an acceptance length >= 1 at k >= 1 (got {acceptance_length}, k={k})")
+        target = min(acceptance_length - 1.0, float(k))
+        lo, hi = 0.0, 1.0
+        for _ in range(60):  # sum_{i=1..k} c^i is increasing in c: bisect
+            c = (lo + hi) / 2
+            lo, hi = (c, hi) if sum(c ** i for i in range(1, k + 1)) < target else (lo, c)
+        c = (lo + hi) / 2
+        n = float(self.prior_drafts)
+        self.counts = AcceptanceStats(self.k_max, n, [n * c ** (i + 1) for i in range(self.k_max)], n * self.k_max,
+                                      [n] * self.k_max)
+        schedule = self.choose()
+        changed = schedule != engine.k_schedule
+        if changed:
+            engine.set_k_schedule(schedule)
+        return {"k/seeded_rate": c, "k/changed_on_swap": float(changed)}
 
     def update(self, engine, spec: AcceptanceStats) -> dict[str, float]:
         """Fold ``spec`` (the step's ``GenerateResult.spec``) in, re-choose, and write the table
@@ -194,7 +226,7 @@ class OnlineK:
                     length = best.spec.length if k else 1.0
                     points.append((k, b, step_seconds(b, best.tokens_per_s, length)))
             online = cls(fit_step_costs(points), engine.max_num_seqs, k_max, cfg.decay, counts, cfg.margin,
-                         cfg.min_reach)
+                         cfg.min_reach, cfg.prior_drafts)
             engine.set_k_schedule(online.choose())
             done = True
         finally:

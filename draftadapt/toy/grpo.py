@@ -390,6 +390,15 @@ class Run:
     online_k: OnlineK | None = None  # k_policy=online: re-chooses the speculative engine's k table
 
 
+def seed_online_k(r: Run, engine, swap, row: dict) -> None:
+    """k_policy=online: a newly swapped-in draft starts from the acceptance its adapter simulated
+    for it (``OnlineK.new_draft``), and the table is re-chosen for it before it generates."""
+    sim = r.adapter.simulated_length(swap.version) if r.online_k is not None else None
+    if sim is not None:
+        row.update(r.online_k.new_draft(engine, sim, r.adapter.cfg.k))
+        row["k/schedule"] = schedule_text(engine.k_schedule)
+
+
 def record_step(r: Run, row: dict, step: int, version: int, problems: list[dict]):
     """After a step: the arms on the held-out prompts with the engines at policy ``version``
     (outside the RL step's time), the row logged and printed. Returns the arms at the RL batch on
@@ -572,6 +581,7 @@ def run(cfg: DemoConfig) -> dict:
                     swap = adapter.swap(spec)
                 if swap is not None:
                     row["swap/ms"] = swap.ms
+                    seed_online_k(r, spec, swap, row)
                 row["stage/adapt_s"] = time.perf_counter() - t0 + handover_s
                 row["adapt/handover_s"] = handover_s
                 row["draft/version"] = float(spec.draft_version or 0)
@@ -701,6 +711,7 @@ def async_steps(r: Run):
                 swap = adapter.swap(engine)
                 if swap is not None:
                     row["swap/ms"] = swap.ms
+                    seed_online_k(r, engine, swap, row)
                 adapt_s += time.perf_counter() - t0
                 row["draft/version"] = float(engine.draft_version or 0)
                 row["draft/policy_version"] = float(served_policy_version(engine))

@@ -189,11 +189,33 @@ def test_positions_the_table_stopped_drafting_are_extrapolated_not_kept_stale():
     assert all(math.isnan(r) for r in OnlineK(MODEL, 64, 5).rates)
 
 
+def test_a_new_draft_starts_from_its_simulated_acceptance():
+    # the served draft accepted nothing: drafting is off everywhere but a single sequence, so an
+    # RL batch would hardly measure the better draft swapped in next
+    online = OnlineK(MODEL, 64, 5, counts=stats([0, 0, 0, 0, 0], [5000] * 5, 5000), prior_drafts=64)
+    engine = RecordingEngine(online.choose())
+    assert engine.k_schedule == [(1, 1, 1), (2, 64, 0)]
+    m = online.new_draft(engine, 3.4, 3)  # the adapter simulated 3.4 at k=3 for it
+    c = m["k/seeded_rate"]
+    assert c + c ** 2 + c ** 3 == pytest.approx(2.4, abs=1e-9)
+    assert online.rates == pytest.approx([c ** (i + 1) for i in range(5)])
+    assert online.counts.drafts == 64 and m["k/changed_on_swap"] == 1.0
+    assert engine.k_schedule == online.choose() and k_at(engine.k_schedule, 32) >= 2
+    # the next RL batch's counts outweigh the prior at once
+    online.update(engine, stats([500, 250, 100, 30, 10], [1000] * 5, 1000))
+    assert online.rates[0] == pytest.approx((500 + 32 * c) / 1032)
+    # a length past what k tokens can give is capped (every position accepted); nonsense refused
+    assert online.new_draft(engine, 9.0, 3)["k/seeded_rate"] == pytest.approx(1.0, abs=1e-9)
+    with pytest.raises(ValueError, match="acceptance length >= 1"):
+        online.new_draft(engine, float("nan"), 3)
+
+
 def test_counts_of_another_k_and_bad_configs_are_refused():
     online = OnlineK(MODEL, 64, 5)
     with pytest.raises(ValueError, match="k_max=5"):
         online.observe(AcceptanceStats(3, 10, [5, 3, 1]))
     for bad in (OnlineKConfig(k_max=0), OnlineKConfig(batch_sizes=[]), OnlineKConfig(decay=1.0),
-                OnlineKConfig(repeats=0), OnlineKConfig(margin=-0.1), OnlineKConfig(min_reach=0.0)):
+                OnlineKConfig(repeats=0), OnlineKConfig(margin=-0.1), OnlineKConfig(min_reach=0.0),
+                OnlineKConfig(prior_drafts=0)):
         with pytest.raises(ConfigError, match="online_k"):
             bad.validate()
