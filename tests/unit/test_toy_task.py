@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 import re
 
@@ -117,3 +118,19 @@ def test_saved_tokenizer_reloads_with_autotokenizer(tmp_path):
         text = p["prompt"] + p["response"]
         assert again(text).input_ids == tok(text).input_ids
         assert again.decode(again(text).input_ids, skip_special_tokens=True) == text
+
+
+@pytest.mark.parametrize("model_type,arch", [("llama", "LlamaForCausalLM"), ("qwen3", "Qwen3ForCausalLM"),
+                                             ("qwen2", "MiMoForCausalLM")])
+def test_every_toy_config_loads_the_same_tokenizer(tmp_path, model_type, arch):
+    # transformers 5 loads its registered Qwen2Tokenizer (byte-level BPE) for model_type qwen2
+    # whatever the directory's tokenizer class says; the MTP toy's config must say qwen2. Every
+    # loader has to give this tokenizer's ids and text back, spaces included.
+    tok = build_tokenizer()
+    tok.save_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type, "architectures": [arch]}))
+    again = AutoTokenizer.from_pretrained(tmp_path)
+    for p in task.sample_problems(20, seed=7):
+        text = p["prompt"] + p["response"]
+        assert " " in text and again(text).input_ids == tok(text).input_ids
+        assert again.decode(tok(text).input_ids, skip_special_tokens=True) == text
