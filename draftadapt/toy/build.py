@@ -1,6 +1,6 @@
 """Build the toy target: train a tiny model from scratch on the toy task and save it.
 
-    draftadapt toy build --out /tmp/toy_llama [--arch llama|qwen3|qwen2] [--seed 0] [--steps N] [--mtp N]
+    draftadapt toy build --out /tmp/toy_llama [--arch llama|qwen3|qwen2] [--seed 0] [--steps N] [--mtp N [--mtp-weight W]]
 
 trains for a few minutes on 2 CPU cores, evaluates accuracy at temperature 1 on the
 held-out prompts, writes an HF model directory (model, tokenizer, generation_config,
