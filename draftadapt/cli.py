@@ -72,6 +72,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="body architecture (default: llama, or qwen2 with --mtp)")
     build.add_argument("--mtp", type=int, default=0,
                        help="MTP layers trained jointly with the body, served by vLLM method=mtp (0: none)")
+    build.add_argument("--mtp-weight", type=float, default=None,
+                       help="weight of the MTP layers' loss beside the LM's (ToyTrainConfig.mtp_weight)")
     build.add_argument("--seed", type=int, default=0)
     build.add_argument("--steps", type=int, default=None, help="training steps (default: tuned)")
 
@@ -147,7 +149,8 @@ def _dispatch(args) -> int:
     if args.command == "toy":
         from draftadapt.toy.build import build_cli
 
-        return build_cli(out=args.out, arch=args.arch, seed=args.seed, steps=args.steps, mtp=args.mtp)
+        return build_cli(out=args.out, arch=args.arch, seed=args.seed, steps=args.steps, mtp=args.mtp,
+                         mtp_weight=args.mtp_weight)
     if args.command == "draft":
         from draftadapt.drafts.init import init_cli
 

@@ -1,6 +1,6 @@
 """Build the toy target: train a tiny model from scratch on the toy task and save it.
 
-    draftadapt toy build --out /tmp/toy_llama [--arch llama|qwen3|qwen2] [--seed 0] [--steps N] [--mtp N]
+    draftadapt toy build --out /tmp/toy_llama [--arch llama|qwen3|qwen2] [--seed 0] [--steps N] [--mtp N [--mtp-weight W]]
 
 trains for a few minutes on 2 CPU cores, evaluates accuracy at temperature 1 on the
 held-out prompts, writes an HF model directory (model, tokenizer, generation_config,
@@ -67,6 +67,9 @@ class ToyTrainConfig:
     max_new_tokens: int = 96  # the longest response is about 75 characters
     eval_every: int = 0  # > 0: print held-out accuracy every this many steps (tuning)
     threads: int = 0  # 0 = auto: 2, or 1 when other processes already keep a core busy
+    # ``--mtp N`` only: the weight of the MTP layer's loss beside the LM's (DeepSeek-V3's lambda;
+    # toy/mtp.py, docs/design.md "MTP").
+    mtp_weight: float = 1.0
 
 
 def verbose_probability(model: PreTrainedModel, tok: PreTrainedTokenizerFast, problems: list[dict]) -> float:
@@ -300,7 +303,7 @@ def build(out: str, arch: str = "llama", seed: int = 0, steps: int | None = None
     if mtp:
         from draftadapt.toy.mtp import JointMTP
 
-        model = JointMTP(model, mtp, seed)
+        model = JointMTP(model, mtp, seed, weight=cfg.mtp_weight)
     heldout = task.sample_problems(cfg.heldout, seed + HELDOUT_SEED_OFFSET)
     summary = train(model, tok, cfg, seed, heldout)
     summary.update(settle_style(model, tok, cfg, seed, heldout))
@@ -345,7 +348,9 @@ def build(out: str, arch: str = "llama", seed: int = 0, steps: int | None = None
     return result
 
 
-def build_cli(out: str, arch: str | None = None, seed: int = 0, steps: int | None = None, mtp: int = 0) -> int:
-    result = build(out, arch=arch or ("qwen2" if mtp else "llama"), seed=seed, steps=steps, mtp=mtp)
+def build_cli(out: str, arch: str | None = None, seed: int = 0, steps: int | None = None, mtp: int = 0,
+              mtp_weight: float | None = None) -> int:
+    cfg = ToyTrainConfig() if mtp_weight is None else ToyTrainConfig(mtp_weight=mtp_weight)
+    result = build(out, arch=arch or ("qwen2" if mtp else "llama"), seed=seed, steps=steps, cfg=cfg, mtp=mtp)
     print(json.dumps(result), flush=True)
     return 0

@@ -34,9 +34,10 @@ class JointMTP(nn.Module):
     loss plus the MTP head's (the same labels, t + 2 + j at draft step j); any other call is the
     LM's own (generation, evaluation)."""
 
-    def __init__(self, lm: nn.Module, num_mtp: int, seed: int):
+    def __init__(self, lm: nn.Module, num_mtp: int, seed: int, weight: float = 1.0):
         super().__init__()
         self.lm = lm
+        self.weight = weight
         self.head = MTPHead(MTPConfig.from_hf({**lm.config.to_dict(), "architectures": [MTP_ARCH],
                                                "num_nextn_predict_layers": num_mtp}))
         self.head.init_weights(seed)
@@ -61,7 +62,7 @@ class JointMTP(nn.Module):
         steps = self.head.unroll(ids, self._pre_norm, JOINT_TTT_STEPS, feed_ids=feed)
         weights = step_weights(JOINT_TTT_STEPS, JOINT_STEP_DECAY)
         mtp = sum(w * _shifted_ce(lg, labels, 2 + j) for j, (w, lg) in enumerate(zip(weights, steps)))
-        out.loss = out.loss + mtp
+        out.loss = out.loss + self.weight * mtp
         return out
 
 

@@ -165,6 +165,31 @@ def test_joint_toy_loss_trains_body_and_mtp(tmp_path):
         build(str(tmp_path / "x"), arch="llama", mtp=1)
 
 
+def test_joint_toy_mtp_weight_scales_only_the_mtp_loss():
+    """ToyTrainConfig.mtp_weight (``toy build --mtp-weight``) weighs the MTP layer's loss beside
+    the LM's: loss = LM + weight * MTP, and 0 trains the body alone (no gradient to the layer)."""
+    cfg = ToyModelConfig(arch="qwen2", num_layers=2, hidden_size=32, num_heads=2, num_kv_heads=2,
+                         intermediate_size=64)
+    ids = torch.randint(4, 30, (2, 10), generator=torch.Generator().manual_seed(1))
+    labels = ids.clone()
+    labels[:, :3] = -100
+    losses = {}
+    for w in (0.0, 0.3, 1.0):
+        joint = JointMTP(build_model(cfg, seed=0), 1, 0, weight=w)
+        losses[w] = joint(input_ids=ids, labels=labels).loss
+        plain = joint.lm(input_ids=ids, labels=labels).loss
+        if w == 0.0:
+            torch.testing.assert_close(losses[w], plain)
+            losses[w].backward()
+            assert not joint.head.layers[0].input_proj.weight.grad.any()
+    mtp = losses[1.0] - losses[0.0]
+    assert float(mtp) > 1.0  # three unrolled steps of CE near log(vocab) at init, weights 0.8^j
+    torch.testing.assert_close(losses[0.3], losses[0.0] + 0.3 * mtp, rtol=1e-5, atol=1e-5)
+    from draftadapt.toy.build import ToyTrainConfig
+
+    assert ToyTrainConfig().mtp_weight == pytest.approx(1.0)
+
+
 def test_a_saved_policy_gets_the_targets_mtp_layers_back(target, tmp_path):
     """The demo saves its final policy with save_pretrained (a plain Qwen2 model): carrying the
     target's MTP layers over makes it an MTP target vLLM serves with method="mtp" again."""
