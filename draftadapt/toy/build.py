@@ -75,7 +75,7 @@ class ToyTrainConfig:
 def verbose_probability(model: PreTrainedModel, tok: PreTrainedTokenizerFast, problems: list[dict]) -> float:
     """Mean probability that the policy answers in the verbose style: the token after the first
     countdown label (``"4:"``) is a space (verbose) or a digit (terse)."""
-    space = tok.convert_tokens_to_ids(" ")
+    space = tok(" ", add_special_tokens=False).input_ids[0]  # by encoding: the vocabulary writes it "Ġ"
     prompts = [p["prompt"] + f"{task.parse_prompt(p['prompt'])[2]}:" for p in problems]
     enc = tok(prompts, return_tensors="pt", padding=True)
     pos = (enc.attention_mask.cumsum(-1) - 1).clamp(min=0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import random
 import re
 
@@ -134,3 +135,25 @@ def test_every_toy_config_loads_the_same_tokenizer(tmp_path, model_type, arch):
         text = p["prompt"] + p["response"]
         assert " " in text and again(text).input_ids == tok(text).input_ids
         assert again.decode(tok(text).input_ids, skip_special_tokens=True) == text
+
+
+def test_verbose_probability_reads_the_space_token():
+    # the style choice is the token after the first countdown label: a space (verbose) or a
+    # digit (terse); the probability must be read at the space's id whatever its vocabulary
+    # symbol (a lookup of the string " " found <unk> once the vocabulary wrote it "Ġ")
+    import torch
+
+    from draftadapt.toy.build import verbose_probability
+
+    tok = build_tokenizer()
+    space = tok(" ", add_special_tokens=False).input_ids[0]
+    assert space not in (PAD_ID, BOS_ID, EOS_ID, UNK_ID)
+
+    class Fixed(torch.nn.Module):  # logits that put 0.7 on the space, 0.3 on the digit "1"
+        def forward(self, input_ids, attention_mask=None, position_ids=None):
+            logits = torch.full((*input_ids.shape, len(tok)), -1e9)
+            logits[..., space] = math.log(0.7)
+            logits[..., tok("1", add_special_tokens=False).input_ids[0]] = math.log(0.3)
+            return type("Out", (), {"logits": logits})()
+
+    assert verbose_probability(Fixed(), tok, task.sample_problems(4, seed=1)) == pytest.approx(0.7, abs=1e-6)
