@@ -105,12 +105,8 @@ class OnlineK:
         only position 0 is measured). Optimistic on purpose: a longer k it earns is measured at
         once, and corrected if it does not hold, while a pessimistic guess is never revisited."""
         measured = self.counts.reached_rates
-        reached = self.counts.drafts_per_position(self.k_max)
-        out: list[float] = []
-        for i, r in enumerate(measured):
-            if i == 0 or (r == r and reached[i] >= self.min_reach * reached[0]):
-                out.append(r)
-                continue
+        out = measured[: max(1, self.measured_positions)]  # position 0 as counted, even unmeasured
+        for i in range(len(out), len(measured)):
             prev = out[i - 1]
             cond = prev / out[i - 2] if i >= 2 and out[i - 2] > 0 else prev
             out.append(prev * min(1.0, cond) if prev == prev else prev)
@@ -158,22 +154,23 @@ class OnlineK:
         n = float(self.prior_drafts)
         self.counts = AcceptanceStats(self.k_max, n, [n * c ** (i + 1) for i in range(self.k_max)], n * self.k_max,
                                       [n] * self.k_max)
+        return {"k/seeded_rate": c, "k/changed_on_swap": float(self._write(engine))}
+
+    def _write(self, engine) -> bool:
+        """Write the current choice into ``engine`` if it differs from what it serves; True if it did."""
         schedule = self.choose()
         changed = schedule != engine.k_schedule
         if changed:
             engine.set_k_schedule(schedule)
-        return {"k/seeded_rate": c, "k/changed_on_swap": float(changed)}
+        return changed
 
     def update(self, engine, spec: AcceptanceStats) -> dict[str, float]:
         """Fold ``spec`` (the step's ``GenerateResult.spec``) in, re-choose, and write the table
         into ``engine`` in place when it changed. Returns metrics: the k at each calibrated batch
         size (``k/b<N>``), whether the table changed, and the rates the choice used."""
         self.observe(spec)
-        schedule = self.choose()
-        changed = schedule != engine.k_schedule
-        if changed:
-            engine.set_k_schedule(schedule)
-        out = {f"k/b{b}": float(k_at(schedule, b)) for b in self.model.batch_sizes}
+        changed = self._write(engine)
+        out = {f"k/b{b}": float(k_at(engine.k_schedule, b)) for b in self.model.batch_sizes}
         out["k/changed"] = float(changed)
         out.update({f"k/rate_pos_{i}": r for i, r in enumerate(self.rates)})
         out["k/measured_positions"] = float(self.measured_positions)

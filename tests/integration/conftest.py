@@ -24,6 +24,20 @@ from draftadapt.train.trainer import TrainConfig
 REPO = Path(__file__).resolve().parents[2]
 
 
+def run_eval(target: Path, draft: Path, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    """``draftadapt eval --target TARGET --draft DRAFT ARGS`` in a child process, as a user runs it."""
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "draftadapt.cli", "eval", "--target", str(target), "--draft", str(draft), *args],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def last_json(proc: subprocess.CompletedProcess) -> dict:
+    """The JSON object on the last non-empty line of a command's stdout."""
+    return json.loads([line for line in proc.stdout.splitlines() if line.strip()][-1])
+
+
 def start_engine(target: Path, draft: Path | None = None, method: str = "eagle3", k: int = 3, **kw) -> RolloutEngine:
     return RolloutEngine(target, draft, method=method, num_speculative_tokens=k, max_model_len=256,
                          max_num_seqs=64, kv_cache_gib=1, seed=0, **kw)

@@ -8,33 +8,25 @@ the path and the JSON, not the speed; the README's table is the measurement.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from draftadapt.drafts.init import init_draft
 
-pytestmark = pytest.mark.integration
+from .conftest import last_json, run_eval
 
-REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.integration
 
 
 def test_k_table_prints_the_table_and_the_argmax_of_the_prediction(toy_target, tmp_path):
     # an untrained head: acceptance near 1, which is what makes speculation lose and k = 0 win;
     # the path is the same for a trained one
     draft = init_draft(toy_target, "eagle3", tmp_path / "head", seed=0)
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "draftadapt.cli", "eval", "--target", str(toy_target), "--draft", str(draft),
-         "--ks", "0,2", "--batch-sizes", "4,8", "--max-tokens", "32", "--repeats", "1", "--temperature", "1.0"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
-    )
+    proc = run_eval(toy_target, draft, "--ks", "0,2", "--batch-sizes", "4,8", "--max-tokens", "32", "--repeats", "1",
+                    "--temperature", "1.0")
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert "chosen k (*, from the prediction)" in proc.stderr  # the table for a person, without --json
-    result = json.loads([line for line in proc.stdout.splitlines() if line.strip()][-1])
+    result = last_json(proc)
     print(json.dumps(result))
     rows = {(r["k"], r["batch_size"]): r for r in result["table"]}
     assert set(rows) == {(0, 4), (2, 4), (0, 8), (2, 8)}

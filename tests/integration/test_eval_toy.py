@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from .conftest import last_json, run_eval
+
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
@@ -22,15 +24,10 @@ KEYS = {"acceptance_length_measured", "acceptance_length_simulated", "per_positi
 
 
 def test_eval_prints_one_json_object_with_the_keys(trained_head, toy_target):
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "draftadapt.cli", "eval", "--target", str(toy_target), "--draft", str(trained_head),
-         "--k", "3", "--temperature", "1.0", "--num-prompts", "32", "--max-tokens", "64", "--json"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
-    )
+    proc = run_eval(toy_target, trained_head, "--k", "3", "--temperature", "1.0", "--num-prompts", "32",
+                    "--max-tokens", "64", "--json")
     assert proc.returncode == 0, proc.stderr[-6000:]
-    lines = [line for line in proc.stdout.splitlines() if line.strip()]
-    result = json.loads(lines[-1])
+    result = last_json(proc)
     print(json.dumps(result))  # with -s: the numbers the bounds below were set from
     assert KEYS <= set(result)
     assert len(result["per_position_acceptance"]) == 3

