@@ -199,8 +199,13 @@ def _regenerate_data(cfg: PretrainConfig, target: Path, data_dir: Path) -> None:
     try:
         t0 = time.perf_counter()
         print(f"regenerating {len(train_prompts)} + {len(held)} responses with the target ...", file=sys.stderr)
-        train = regenerate(engine, tokenize_prompts(tok, train_prompts, d.chat_template), g.temperature, g.max_tokens)
-        heldout = regenerate(engine, tokenize_prompts(tok, held, d.chat_template), g.temperature, g.max_tokens)
+        # Seeded per request (d.seed + i; the held-out set's seeds follow the training set's): an
+        # unseeded request samples from the host's global torch generator when the engine runs in
+        # this process, so the data, and the draft, would depend on what ran before in it.
+        train = regenerate(engine, tokenize_prompts(tok, train_prompts, d.chat_template), g.temperature, g.max_tokens,
+                           seed=d.seed)
+        heldout = regenerate(engine, tokenize_prompts(tok, held, d.chat_template), g.temperature, g.max_tokens,
+                             seed=d.seed + len(train_prompts))
         print(f"regenerated {sum(len(s.response_ids) for s in train)} tokens in "
               f"{time.perf_counter() - t0:.0f} s", file=sys.stderr)
     finally:

@@ -789,9 +789,9 @@ def measure_fresh(cfg: DemoConfig, out: Path, spec: RolloutEngine, prompts: list
     fresh_dir = out / "draft_fresh_final"
     print(f"[demo] pretraining a fresh draft on the final policy into {fresh_dir} (reference)", flush=True)
     t0 = time.perf_counter()
-    # The pretrain's engine samples its data from torch's global generator, whose state here
-    # depends on what ran before in this process (a world built in it or passed in: 3.04 against
-    # 2.84 for the same seed-0 run). Seeded, the reference is the same either way.
+    # The pretrain seeds its data's requests itself; the fork keeps anything else in it that
+    # draws from torch's global generator independent of what ran before in this process (a world
+    # built in it or passed in once gave 3.04 against 2.84 for the same seed-0 run).
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
         pretrain(load_config(PretrainConfig, cfg.pretrain_recipe, [

@@ -101,3 +101,24 @@ def test_draft_lm_pretrain_and_vllm_serves_both(eagle3_run, toy_target, tmp_path
         assert res.spec.drafts > 0 and all(r.token_ids for r in res.rollouts)
     finally:
         engine.close()
+
+
+def test_regenerated_data_do_not_depend_on_the_host_generator(eagle3_run, toy_target, tmp_path):
+    """The pretrain's requests carry their own seeds: an in-process regeneration after the host has
+    drawn from torch's global generator writes the CLI's data byte for byte (unseeded, an in-process
+    engine samples from that generator, and a toy built earlier in the same process moved it)."""
+    import torch
+
+    from draftadapt.config import load_config
+    from draftadapt.pretrain import PretrainConfig, _regenerate_data
+
+    cfg = load_config(PretrainConfig, REPO / "recipes/pretrain_eagle3_toy.yaml",
+                      [f"target={toy_target}", f"out={tmp_path / 'out'}", *SMALL])
+    data = tmp_path / "data"
+    data.mkdir()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(123)
+        torch.rand(1000)
+        _regenerate_data(cfg, Path(toy_target), data)
+    for name in ("train.jsonl", "heldout.jsonl"):
+        assert (data / name).read_bytes() == (eagle3_run[0] / "pretrain/data" / name).read_bytes(), name
