@@ -394,11 +394,13 @@ def pretrain_cli(recipe: str, overrides: list[str]) -> int:
 
 def prepare_toy_world(out: str | Path, toy: str | Path | None, draft: str | Path | None, seed: int,
                       pretrain_recipe: str | Path, pretrain_overrides: list[str] | tuple[str, ...] = (),
-                      tag: str = "demo", method: str = "eagle3") -> tuple[Path, Path]:
+                      tag: str = "demo", method: str = "eagle3", own_draft: bool = False) -> tuple[Path, Path]:
     """The toy target and an Eagle-3 draft pretrained on it, built into ``out`` unless given (and
     reused from ``out`` on a rerun). Returns (toy target dir, draft dir). ``method="mtp"``: the
-    toy has one MTP layer (trained with it), and the draft is a fresh MTP layer pretrained like the
-    Eagle-3 head, on the toy's own samples (docs/design.md, "MTP")."""
+    toy has one MTP layer (trained with it); the draft is that layer as the build left it with
+    ``own_draft``, else a fresh MTP layer pretrained like the Eagle-3 head, on the toy's own
+    samples (docs/design.md, "MTP")."""
+    from draftadapt.drafts.init import init_draft
     from draftadapt.drafts.methods import method_for
 
     in_target = method_for(method).in_target
@@ -411,7 +413,13 @@ def prepare_toy_world(out: str | Path, toy: str | Path | None, draft: str | Path
         kind = {"arch": "qwen2", "mtp": 1} if in_target else {}
         print(json.dumps(build(str(toy), seed=seed, **kind)), flush=True)
     draft = Path(draft) if draft else out / "draft0"
-    if not (draft / "draftadapt.json").is_file():
+    if not (draft / "draftadapt.json").is_file() and own_draft:
+        if not in_target:
+            raise ConfigError(f"method={method}: the target has no {method} draft of its own to start from; "
+                              "pretrain one (the default) or pass draft=DIR")
+        print(f"[{tag}] the target's own {method} layers as the draft, into {draft}", flush=True)
+        init_draft(toy, method, draft)
+    elif not (draft / "draftadapt.json").is_file():
         print(f"[{tag}] pretraining the {method} draft into {draft} (a few minutes, once)", flush=True)
         pretrain(load_config(PretrainConfig, pretrain_recipe, [f"target={toy}", f"out={draft}", f"method={method}",
                                                                *pretrain_overrides]))

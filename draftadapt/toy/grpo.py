@@ -33,6 +33,7 @@ from draftadapt.adapter import AdapterConfig, DraftAdapter, ScheduleConfig, Vali
 from draftadapt.config import ConfigError, load_config, save_config
 from draftadapt.data.sequences import Sequence, collate
 from draftadapt.drafts.formats import META_FILE
+from draftadapt.drafts.methods import method_for
 from draftadapt.engine.remote import EngineProcess
 from draftadapt.engine.rollout import DraftSwapError, RolloutEngine
 from draftadapt.metrics.logger import make_logger
@@ -102,9 +103,14 @@ class DemoConfig:
     draft: str | None = None  # reuse a pretrained draft (default: OUT/draft0, pretrained once)
     seed: int = 0
     # "eagle3": an Eagle-3 head; "mtp": MTP layers of a toy built with `toy build --mtp 1`, served
-    # with vLLM's method="mtp". Either draft is pretrained on the toy's own samples by
-    # pretrain_recipe (method= set to this), as is the fresh one (docs/design.md, "MTP")
+    # with vLLM's method="mtp". The fresh reference is pretrained on the final policy's samples by
+    # pretrain_recipe (method= set to this); the draft RL starts from is set by initial_draft.
     method: str = "eagle3"
+    # Where draft= is not given, the draft RL starts from (and the frozen arm keeps): "pretrain",
+    # pretrained on the toy's own samples like the fresh one; "own", the target's own MTP layers as
+    # the toy build trained them (method=mtp: what vLLM serves an MTP model with when nobody trains
+    # a draft); "auto", own for method=mtp and pretrain otherwise (docs/design.md, "MTP").
+    initial_draft: Literal["auto", "pretrain", "own"] = "auto"
     k: int = 3
     engine_threads: int = 2
     # Sequences each engine decodes at once (vLLM's max_num_seqs): the RL batch
@@ -181,6 +187,9 @@ class DemoConfig:
             raise ConfigError(f"k_compare_repeats={self.k_compare_repeats}: give at least 1 round")
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs={self.max_num_seqs}: the engines need room for at least 1 sequence")
+        if self.initial_draft == "own" and not method_for(self.method).in_target:
+            raise ConfigError(f"initial_draft=own: method={self.method} has no draft inside the target; use "
+                              "initial_draft=pretrain (or auto), or method=mtp on an MTP toy")
         if self.sync and not self.async_lag:
             raise ConfigError("sync= compares an asynchronous run with a synchronous one: set async_lag=1 too")
 
@@ -277,11 +286,12 @@ def pretrain_overrides(cfg: DemoConfig) -> list[str]:
 
 
 def prepare_world(cfg, out: Path) -> tuple[Path, Path]:
-    """The toy target and a draft pretrained on it (built once; reused from OUT on a rerun)."""
+    """The toy target and the draft RL starts from (built once; reused from OUT on a rerun)."""
     from draftadapt.pretrain import prepare_toy_world
 
+    own = cfg.initial_draft == "own" or (cfg.initial_draft == "auto" and method_for(cfg.method).in_target)
     return prepare_toy_world(out, cfg.toy, cfg.draft, cfg.seed, cfg.pretrain_recipe, pretrain_overrides(cfg), tag="demo",
-                             method=cfg.method)
+                             method=cfg.method, own_draft=own)
 
 
 def measure(engine: RolloutEngine, prompts: list[str], cfg: DemoConfig, max_tokens: int | None = None) -> dict:

@@ -228,3 +228,33 @@ def test_sidecar_publishes_mtp_versions(tmp_path):
     latest = store.latest()
     assert set(load_file(str(latest.weights))) == VLLM_MTP_NAMES
     assert json.loads((latest.path / META_FILE).read_text())["method"] == "mtp"
+
+
+# ------------------------------------------------------------------ the demo
+
+def test_demo_adapts_the_targets_own_mtp_layers(mtp_target, tmp_path):
+    """`draftadapt demo method=mtp` with no draft= starts from the target's own MTP layer (the
+    frozen arm serves it as vLLM would with nobody training a draft) and swaps adapted versions in."""
+    from .test_async import run_demo
+
+    out = tmp_path / "demo"
+    proc = run_demo(["--out", str(out), "--steps", "2", "--toy", str(mtp_target), "method=mtp",
+                     "grpo.prompts_per_step=4", "grpo.group_size=4", "eval.prompts=8", "grpo.max_tokens=48",
+                     "eval.max_tokens=48", "fresh_final=false", "rl_batch_arms=false",
+                     "adapter.schedule.every_n_steps=1", "adapter.schedule.train_steps=2",
+                     "adapter.train.batch_size=8", "adapter.schedule.min_sequences=8",
+                     "adapter.validation.margin=0.99"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "the target's own mtp layers as the draft" in proc.stdout
+    own = head_from_target(mtp_target).mtp_state_dict()
+    draft0 = load_file(str(out / "draft0" / WEIGHTS_FILE))
+    assert set(draft0) == set(own) and all(torch.equal(draft0[k].float(), own[k].float()) for k in own)
+    assert "pretrain" not in {p.name for p in (out / "draft0").iterdir()}  # nothing was pretrained
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "accept/frozen_length" in r]
+    assert len(rows) == 2
+    # the gate lets any candidate through here: a round every step swaps a new version in
+    assert [r["draft/version"] for r in rows] == [r["draft/published_version"] for r in rows]
+    assert rows[-1]["draft/version"] > rows[0]["draft/version"] >= 1
+    # the frozen arm is the own layer as the build trained it (measured 3.11 and 3.19 here)
+    assert all(r["accept/frozen_length"] > 2.5 for r in rows)
