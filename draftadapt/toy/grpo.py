@@ -107,10 +107,11 @@ class DemoConfig:
     # pretrain_recipe (method= set to this); the draft RL starts from is set by initial_draft.
     method: str = "eagle3"
     # Where draft= is not given, the draft RL starts from (and the frozen arm keeps): "pretrain",
-    # pretrained on the toy's own samples like the fresh one; "own", the target's own MTP layers as
-    # the toy build trained them (method=mtp: what vLLM serves an MTP model with when nobody trains
-    # a draft); "auto", own for method=mtp and pretrain otherwise (docs/design.md, "MTP").
-    initial_draft: Literal["auto", "pretrain", "own"] = "auto"
+    # pretrained on the toy's own samples like the fresh one; "own" (method=mtp), the target's own
+    # MTP layer as the toy build trained it, what vLLM serves an MTP model with when nobody trains
+    # a draft. The build trained that layer on both answer styles, so RL's drift barely moves it
+    # (docs/design.md, "MTP").
+    initial_draft: Literal["pretrain", "own"] = "pretrain"
     k: int = 3
     engine_threads: int = 2
     # Sequences each engine decodes at once (vLLM's max_num_seqs): the RL batch
@@ -289,9 +290,8 @@ def prepare_world(cfg, out: Path) -> tuple[Path, Path]:
     """The toy target and the draft RL starts from (built once; reused from OUT on a rerun)."""
     from draftadapt.pretrain import prepare_toy_world
 
-    own = cfg.initial_draft == "own" or (cfg.initial_draft == "auto" and method_for(cfg.method).in_target)
     return prepare_toy_world(out, cfg.toy, cfg.draft, cfg.seed, cfg.pretrain_recipe, pretrain_overrides(cfg), tag="demo",
-                             method=cfg.method, own_draft=own)
+                             method=cfg.method, own_draft=cfg.initial_draft == "own")
 
 
 def measure(engine: RolloutEngine, prompts: list[str], cfg: DemoConfig, max_tokens: int | None = None) -> dict:

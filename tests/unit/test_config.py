@@ -99,8 +99,8 @@ def test_a_renamed_key_names_the_new_one(tmp_path):
 def test_demo_initial_draft_is_the_targets_own_only_where_it_has_one():
     from draftadapt.toy.grpo import DemoConfig
 
-    assert load_config(DemoConfig, None, ["method=mtp"]).initial_draft == "auto"
-    assert load_config(DemoConfig, None, ["method=mtp", "initial_draft=pretrain"]).initial_draft == "pretrain"
+    assert load_config(DemoConfig, None, ["method=mtp"]).initial_draft == "pretrain"
+    assert load_config(DemoConfig, None, ["method=mtp", "initial_draft=own"]).initial_draft == "own"
     with pytest.raises(ConfigError, match=r"initial_draft=own: method=eagle3 has no draft inside the target"):
         load_config(DemoConfig, None, ["initial_draft=own"])
     with pytest.raises(ConfigError, match=r"initial_draft"):
