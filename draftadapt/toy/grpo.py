@@ -190,7 +190,7 @@ class DemoConfig:
             raise ConfigError(f"max_num_seqs={self.max_num_seqs}: the engines need room for at least 1 sequence")
         if self.initial_draft == "own" and not method_for(self.method).in_target:
             raise ConfigError(f"initial_draft=own: method={self.method} has no draft inside the target; use "
-                              "initial_draft=pretrain (or auto), or method=mtp on an MTP toy")
+                              "initial_draft=pretrain, or method=mtp on an MTP toy")
         if self.sync and not self.async_lag:
             raise ConfigError("sync= compares an asynchronous run with a synchronous one: set async_lag=1 too")
 
