@@ -127,8 +127,21 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def parse_cli(argv: list[str] | None = None) -> argparse.Namespace:
+    """The parsed command line. key=value overrides may sit between flags (``demo --toy T k=5
+    --steps 4 spec=false``): argparse's positional list takes only their first run, so the later
+    ones are appended in order. Anything else it does not know is still an error."""
+    p = _parser()
+    args, extra = p.parse_known_args(argv)
+    if extra:
+        if not hasattr(args, "overrides") or any(e.startswith("-") or "=" not in e for e in extra):
+            p.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = [*args.overrides, *extra]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = parse_cli(argv)
     # our own process: hub names resolve from the local cache, never over the network
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from draftadapt.config import ConfigError

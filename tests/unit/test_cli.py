@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from draftadapt.cli import DEMO_FLAGS, EVAL_FLAGS, _parser, field_overrides, main
+from draftadapt.cli import DEMO_FLAGS, EVAL_FLAGS, _parser, field_overrides, main, parse_cli
 from draftadapt.config import ConfigError, load_config
 from draftadapt.evaluate import EvaluateConfig
 from draftadapt.toy.grpo import DemoConfig
 
 
 def _demo(argv: list[str]) -> DemoConfig:
-    args = _parser().parse_args(["demo", *argv])
+    args = parse_cli(["demo", *argv])
     return load_config(DemoConfig, None, [*args.overrides, *field_overrides(args, DEMO_FLAGS)])
 
 
@@ -23,6 +23,15 @@ def test_demo_flags_are_democonfig_fields():
     # the flag wins over an override of the same field
     assert _demo(["--seed", "5", "seed=3"]).seed == 5
     assert _demo(["seed=3"]).seed == 3  # no flag: the override holds (a flag's default used to win)
+
+
+def test_overrides_may_sit_between_flags():
+    cfg = _demo(["--toy", "t", "k=5", "--steps", "4", "fresh_final=false", "k=4"])
+    assert (cfg.toy, cfg.grpo.steps, cfg.fresh_final, cfg.k) == ("t", 4, False, 4)  # in order: the last k wins
+    for argv in (["--toy", "t", "k=5", "--nope", "1"], ["--toy", "t", "k=5", "--steps", "4", "stray"]):
+        with pytest.raises(SystemExit) as exc:
+            parse_cli(["demo", *argv])
+        assert exc.value.code == 2
 
 
 def test_eval_flags_are_evaluateconfig_fields():
