@@ -404,6 +404,9 @@ def prepare_toy_world(out: str | Path, toy: str | Path | None, draft: str | Path
     from draftadapt.drafts.methods import method_for
 
     in_target = method_for(method).in_target
+    if own_draft and not in_target:
+        raise ConfigError(f"method={method}: the target has no {method} draft of its own to start from; "
+                          "pretrain one (the default) or pass draft=DIR")
     out = Path(out)
     toy = Path(toy) if toy else out / "toy"
     if not (toy / "heldout.jsonl").is_file():
@@ -414,9 +417,6 @@ def prepare_toy_world(out: str | Path, toy: str | Path | None, draft: str | Path
         print(json.dumps(build(str(toy), seed=seed, **kind)), flush=True)
     draft = Path(draft) if draft else out / "draft0"
     if not (draft / "draftadapt.json").is_file() and own_draft:
-        if not in_target:
-            raise ConfigError(f"method={method}: the target has no {method} draft of its own to start from; "
-                              "pretrain one (the default) or pass draft=DIR")
         print(f"[{tag}] the target's own {method} layers as the draft, into {draft}", flush=True)
         init_draft(toy, method, draft)
     elif not (draft / "draftadapt.json").is_file():

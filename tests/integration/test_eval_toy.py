@@ -7,10 +7,6 @@ then starts the engine with and without it.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -18,7 +14,6 @@ from .conftest import last_json, run_eval
 
 pytestmark = pytest.mark.integration
 
-REPO = Path(__file__).resolve().parents[2]
 KEYS = {"acceptance_length_measured", "acceptance_length_simulated", "per_position_acceptance",
         "tokens_per_s_spec", "tokens_per_s_plain", "speedup"}
 
@@ -49,11 +44,7 @@ def test_eval_prints_one_json_object_with_the_keys(trained_head, toy_target):
 
 
 def test_eval_refuses_a_draft_for_another_target(trained_head, known_target):
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "draftadapt.cli", "eval", "--target", str(known_target), "--draft", str(trained_head),
-         "--json"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
-    )
+    proc = run_eval(known_target, trained_head, "--json", timeout=300)
     assert proc.returncode == 2
     # the exact error check_draft_for_target raises, with the fix it names
     assert f"error: {trained_head} was exported for another target (" in proc.stderr, proc.stderr[-3000:]
