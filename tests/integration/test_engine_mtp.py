@@ -11,6 +11,7 @@ import json
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file, save_file
 
 from draftadapt.drafts.formats import META_FILE, WEIGHTS_FILE
@@ -256,5 +257,9 @@ def test_demo_adapts_the_targets_own_mtp_layers(mtp_target, tmp_path):
     # the gate lets any candidate through here: a round every step swaps a new version in
     assert [r["draft/version"] for r in rows] == [r["draft/published_version"] for r in rows]
     assert rows[-1]["draft/version"] > rows[0]["draft/version"] >= 1
-    # the frozen arm is the own layer as the build trained it (measured 3.11 and 3.19 here)
+    # the frozen arm is the own layer as the build trained it (measured 3.11 and 3.19 here at k=3)
     assert all(r["accept/frozen_length"] > 2.5 for r in rows)
+    # MTP's default k=5: the engine drafts 5 tokens, and the adapter ran 5 TTT steps deep, scoring at 5
+    assert all(f"accept/pos_{i}" in r for r in rows for i in range(5)) and "accept/pos_5" not in rows[0]
+    ran = yaml.safe_load((out / "config.yaml").read_text())
+    assert (ran["k"], ran["adapter"]["k"], ran["adapter"]["train"]["ttt_steps"]) == (5, 5, 5)
