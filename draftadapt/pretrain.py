@@ -416,10 +416,12 @@ def prepare_toy_world(out: str | Path, toy: str | Path | None, draft: str | Path
         kind = {"arch": "qwen2", "mtp": 1} if in_target else {}
         print(json.dumps(build(str(toy), seed=seed, **kind)), flush=True)
     draft = Path(draft) if draft else out / "draft0"
-    if not (draft / "draftadapt.json").is_file() and own_draft:
+    if (draft / "draftadapt.json").is_file():
+        return toy, draft  # given, or made by an earlier run into out
+    if own_draft:
         print(f"[{tag}] the target's own {method} layers as the draft, into {draft}", flush=True)
         init_draft(toy, method, draft)
-    elif not (draft / "draftadapt.json").is_file():
+    else:
         print(f"[{tag}] pretraining the {method} draft into {draft} (a few minutes, once)", flush=True)
         pretrain(load_config(PretrainConfig, pretrain_recipe, [f"target={toy}", f"out={draft}", f"method={method}",
                                                                *pretrain_overrides]))
