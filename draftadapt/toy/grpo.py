@@ -292,35 +292,40 @@ def grpo_update(policy, reference, opt, problems, rollouts, cfg: GRPOConfig, pad
             "rl/style_frac": sum(styled) / len(styled), "rl/loss": pg_sum + cfg.kl_coef * kl_sum, "rl/kl": kl_sum}
 
 
-def train_depth(cfg: DemoConfig, ttt_steps: int) -> int:
-    """The TTT depth a draft served at ``cfg.k`` is trained to: at least ``k``, since vLLM chains
+def train_depth(k: int, ttt_steps: int) -> int:
+    """The TTT depth a draft served at ``k`` is trained to: at least ``k``, since vLLM chains
     an Eagle-3 head or an MTP layer k times and a step never trained on is only extrapolated
     (docs/design.md, "MTP"). ``ttt_steps`` (the recipe's or the adapter's) when it is deeper."""
-    return max(ttt_steps, cfg.k)
+    return max(ttt_steps, k)
 
 
-def pretrain_overrides(cfg: DemoConfig) -> list[str]:
-    """The demo's settings over its pretrain recipe: its data size, its k, and a TTT depth of at
-    least k (the recipe's own where it is deeper)."""
+def pretrain_overrides(recipe: str | Path, method: str, k: int, prompts: int) -> list[str]:
+    """A toy run's settings over its pretrain ``recipe``: its data size (``prompts``; 0 keeps the
+    recipe's), its ``k``, and a TTT depth of at least k (the recipe's own where it is deeper).
+    Shared by the demo and recipes/trl_grpo_toy.py, so it takes the fields, not a config."""
     from draftadapt.pretrain import PretrainConfig
 
-    out = [f"data.num_prompts={cfg.pretrain_prompts}"] if cfg.pretrain_prompts else []
-    recipe = load_config(PretrainConfig, cfg.pretrain_recipe, [f"method={cfg.method}"])
-    depth = train_depth(cfg, recipe.train.ttt_steps)
-    return out + [f"k={cfg.k}"] + ([f"train.ttt_steps={depth}"] if depth != recipe.train.ttt_steps else [])
+    out = [f"data.num_prompts={prompts}"] if prompts else []
+    base = load_config(PretrainConfig, recipe, [f"method={method}"]).train.ttt_steps
+    depth = train_depth(k, base)
+    return out + [f"k={k}"] + ([f"train.ttt_steps={depth}"] if depth != base else [])
+
+
+def demo_pretrain_overrides(cfg: DemoConfig) -> list[str]:
+    return pretrain_overrides(cfg.pretrain_recipe, cfg.method, cfg.k, cfg.pretrain_prompts)
 
 
 def demo_adapter(cfg: DemoConfig) -> AdapterConfig:
     """cfg.adapter with the demo's method and k, trained at least k TTT steps deep."""
     a = cfg.adapter
-    return replace(a, method=cfg.method, k=cfg.k, train=replace(a.train, ttt_steps=train_depth(cfg, a.train.ttt_steps)))
+    return replace(a, method=cfg.method, k=cfg.k, train=replace(a.train, ttt_steps=train_depth(cfg.k, a.train.ttt_steps)))
 
 
 def prepare_world(cfg, out: Path) -> tuple[Path, Path]:
     """The toy target and the draft RL starts from (built once; reused from OUT on a rerun)."""
     from draftadapt.pretrain import prepare_toy_world
 
-    return prepare_toy_world(out, cfg.toy, cfg.draft, cfg.seed, cfg.pretrain_recipe, pretrain_overrides(cfg), tag="demo",
+    return prepare_toy_world(out, cfg.toy, cfg.draft, cfg.seed, cfg.pretrain_recipe, demo_pretrain_overrides(cfg), tag="demo",
                              method=cfg.method, own_draft=cfg.initial_draft == "own")
 
 
@@ -838,7 +843,7 @@ def measure_fresh(cfg: DemoConfig, out: Path, spec: RolloutEngine, prompts: list
         pretrain(load_config(PretrainConfig, cfg.pretrain_recipe, [
             f"target={out / 'final_policy'}", f"out={fresh_dir}", "build_toy=false",
             f"max_minutes={cfg.fresh_max_minutes}", f"method={cfg.method}",
-            *pretrain_overrides(cfg)]))
+            *demo_pretrain_overrides(cfg)]))
     seconds = time.perf_counter() - t0
     try:
         m = measure_draft(spec, fresh_dir, prompts, cfg)

@@ -111,21 +111,21 @@ def test_demo_initial_draft_is_the_targets_own_only_where_it_has_one():
 def test_demo_drafts_are_trained_at_least_k_steps_deep(tmp_path):
     """vLLM chains the draft k times: the demo's pretrains and its adapter unroll at least k TTT
     steps and score at k; a deeper recipe or adapter setting is kept."""
-    from draftadapt.toy.grpo import DemoConfig, demo_adapter, pretrain_overrides
+    from draftadapt.toy.grpo import DemoConfig, demo_adapter, demo_pretrain_overrides
 
     cfg = load_config(DemoConfig, None, [])  # k=3: the recipe's and the adapter's depth of 3 stand
-    assert pretrain_overrides(cfg) == ["data.num_prompts=768", "k=3"]
+    assert demo_pretrain_overrides(cfg) == ["data.num_prompts=768", "k=3"]
     assert (demo_adapter(cfg).k, demo_adapter(cfg).train.ttt_steps, demo_adapter(cfg).method) == (3, 3, "eagle3")
     cfg = load_config(DemoConfig, None, ["method=mtp"])  # MTP's default k is 5
     assert cfg.k == 5 and load_config(DemoConfig, None, ["method=mtp", "k=3"]).k == 3
     assert DemoConfig(method="mtp").k == 5 and DemoConfig().k == 3  # built in code too
     with pytest.raises(ConfigError, match=r"k=0: give the number of tokens"):
         load_config(DemoConfig, None, ["k=0"])
-    assert pretrain_overrides(cfg) == ["data.num_prompts=768", "k=5", "train.ttt_steps=5"]
+    assert demo_pretrain_overrides(cfg) == ["data.num_prompts=768", "k=5", "train.ttt_steps=5"]
     assert (demo_adapter(cfg).k, demo_adapter(cfg).train.ttt_steps, demo_adapter(cfg).method) == (5, 5, "mtp")
     assert cfg.adapter.train.ttt_steps == 3  # the config itself is not changed
     deep = tmp_path / "deep.yaml"
     deep.write_text((Path(DemoConfig.pretrain_recipe).read_text()).replace("ttt_steps: 3", "ttt_steps: 7"))
     cfg = load_config(DemoConfig, None, ["k=5", f"pretrain_recipe={deep}", "adapter.train.ttt_steps=6"])
-    assert pretrain_overrides(cfg) == ["data.num_prompts=768", "k=5"]
+    assert demo_pretrain_overrides(cfg) == ["data.num_prompts=768", "k=5"]
     assert demo_adapter(cfg).train.ttt_steps == 6
