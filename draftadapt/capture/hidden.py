@@ -119,7 +119,34 @@ def restricted_logp(logits: torch.Tensor, temperature: float, draft_to_target: t
     return logp
 
 
-class HandOver:
+class HandedOver:
+    """The rows a :class:`HandOver` took, without its hooks: what an adapter in another process
+    (a Ray actor) is given. Picklable; ``observe(handover=...)`` takes it as it takes a HandOver."""
+
+    def __init__(self, rows: dict[int, dict[str, torch.Tensor]] | None = None, seconds: float = 0.0):
+        self.rows: dict[int, dict[str, torch.Tensor]] = dict(rows or {})
+        self.seconds = seconds  # spent in add(): what the hand-over adds to the trainer's pass
+
+    def detach(self) -> "HandedOver":
+        """The rows alone (no hooks), to send to an adapter elsewhere."""
+        return HandedOver(self.rows, self.seconds)
+
+    def keep(self, indices: Sequence[int]) -> "HandedOver":
+        """Keep only rollouts ``indices``, renumbered 0..len-1 in that order (to observe a subset
+        of a step's rollouts, e.g. those a trainer's forward covered). Returns self."""
+        self.rows = {j: self.rows[int(i)] for j, i in enumerate(indices)}
+        return self
+
+    def tensors(self, n: int) -> list[dict[str, torch.Tensor]]:
+        """Per rollout 0..n-1, in order; every one must have been added."""
+        missing = [i for i in range(n) if i not in self.rows]
+        if missing:
+            raise ValueError(f"hand-over holds no forward output for rollouts {missing[:8]} "
+                             f"({len(missing)} of {n}); add() every micro-batch of the trainer's pass")
+        return [self.rows[i] for i in range(n)]
+
+
+class HandOver(HandedOver):
     """The aux hidden states and next-token log-probs of the RL trainer's own forward over its
     rollouts, taken over for the draft: the adapter then runs no policy forward of its own.
 
@@ -140,12 +167,11 @@ class HandOver:
 
     def __init__(self, model: nn.Module, aux_layer_ids: list[int] | None, draft_to_target: torch.Tensor | None,
                  temperature: float, aux_dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
         self._hooks = _AuxHooks(model, list(aux_layer_ids or []))
         self.draft_to_target = _subset_or_none(model, draft_to_target)
         self.temperature = temperature
         self.aux_dtype = aux_dtype
-        self.rows: dict[int, dict[str, torch.Tensor]] = {}
-        self.seconds = 0.0  # spent in add(): what the hand-over adds to the trainer's pass
 
     def __enter__(self) -> "HandOver":
         self._hooks.__enter__()
@@ -184,21 +210,6 @@ class HandOver:
             self.rows[int(i)] = row
         self._hooks.grabbed.clear()
         self.seconds += time.perf_counter() - t0
-
-    def keep(self, indices: Sequence[int]) -> "HandOver":
-        """Keep only rollouts ``indices``, renumbered 0..len-1 in that order (to observe a subset
-        of a step's rollouts, e.g. those a trainer's forward covered). Returns self."""
-        self.rows = {j: self.rows[int(i)] for j, i in enumerate(indices)}
-        return self
-
-    def tensors(self, n: int) -> list[dict[str, torch.Tensor]]:
-        """Per rollout 0..n-1, in order; every one must have been added."""
-        missing = [i for i in range(n) if i not in self.rows]
-        if missing:
-            raise ValueError(f"hand-over holds no forward output for rollouts {missing[:8]} "
-                             f"({len(missing)} of {n}); add() every micro-batch of the trainer's pass")
-        return [self.rows[i] for i in range(n)]
-
 
 class TargetCapture:
     """Runs the target and returns aux hidden states and next-token log-probs, no gradients.

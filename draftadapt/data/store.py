@@ -350,3 +350,42 @@ def _meta_problem(meta: Any, version: int) -> str | None:
     if not isinstance(meta.get("sha256"), str):
         return f"{META_FILE} has no sha256"
     return None
+
+
+@dataclass(frozen=True)
+class DraftPackage:
+    """A published version's files as bytes: what crosses to an engine with no shared filesystem
+    (a Ray object, put once for every engine). The engine writes it back into a version
+    directory of its own and swaps that in, so every check of the swap (sha256, lineage, target,
+    shapes, finite) runs against these very bytes."""
+
+    version: int
+    policy_version: int
+    lineage: str | None
+    files: dict[str, bytes]
+
+    @classmethod
+    def read(cls, dv: DraftVersion) -> "DraftPackage":
+        files = {p.name: p.read_bytes() for p in sorted(dv.path.iterdir()) if p.is_file()}
+        return cls(dv.version, dv.policy_version, dv.meta.get("lineage"), files)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(b) for b in self.files.values())
+
+    def write(self, root: str | Path) -> Path:
+        """Into ``root/v{version:06d}/`` (complete or absent: written aside, then renamed);
+        an existing copy is reused. Returns the directory."""
+        final = Path(root) / version_dir_name(self.version)
+        if final.is_dir():
+            return final
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = final.parent / f".tmp-{final.name}-{os.getpid()}-{secrets.token_hex(3)}"
+        tmp.mkdir()
+        for name, data in self.files.items():
+            if "/" in name or name.startswith("."):
+                shutil.rmtree(tmp)
+                raise ValueError(f"draft package v{self.version} holds a file named {name!r}; not written")
+            (tmp / name).write_bytes(data)
+        os.replace(tmp, final)
+        return final

@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from draftadapt.boundary import StepBoundary
 from draftadapt.config import ConfigError
 from draftadapt.metrics.acceptance import AcceptanceStats
 
@@ -89,6 +90,7 @@ class SpeculativeRollouts:
         self._synced_step: int | None = None
         self._rng = random.Random(0)
         self._window = _Window()
+        self._boundary = StepBoundary(None, self.engine)  # the adapter joins in attach()
         self.history: list[dict[str, float]] = []  # one row per optimizer step (what was logged)
 
     # ------------------------------------------------------------------ TRL's entry point
@@ -139,6 +141,7 @@ class SpeculativeRollouts:
                           temperature=float(trainer.temperature))
             self.adapter = DraftAdapter(self.policy_dir, self.draft_dir, self.out_dir, cfg)
             self._hook_policy(_unwrap(trainer))
+        self._boundary = StepBoundary(self.adapter, self.engine)
         # First in line: on_log must add our numbers before TensorBoard's callback writes the row.
         trainer.callback_handler.callbacks.insert(0, _Callback(self))
 
@@ -154,34 +157,30 @@ class SpeculativeRollouts:
     # ------------------------------------------------------------------ the step boundary
 
     def _sync(self, trainer) -> None:
-        """New weights into the engine; the adapter learns from the batch just trained on."""
+        """New weights into the engine; the adapter learns from the batch just trained on (the
+        step boundary, :class:`~draftadapt.boundary.StepBoundary`, in its one order)."""
         step = trainer.state.global_step
         t0 = time.perf_counter()
         weights = {k: v.detach() for k, v in _unwrap(trainer).state_dict().items()}
-        self.engine.update_policy(weights, version=step)
-        self._window.sync_s += time.perf_counter() - t0
         self._synced_step = step
-        if self.adapter is None or self._batch is None:
+        rollouts = ho = None
+        if self.adapter is not None and self._batch is not None:
+            ho, self._handover = self._handover, None
+            ho.__exit__(None, None, None)
+            kept = sorted(ho.rows)  # rollouts TRL's forward covered (a masked-out one is not)
+            self._window.add("adapt/handover_missed", float(len(self._batch) - len(kept)))
+            rollouts, ho = [self._batch[i] for i in kept], ho.keep(kept)
+            self._batch, self._keys = None, {}
+        b = self._boundary.after_update(rollouts, sampled_version=self._batch_version, weights=weights,
+                                        version=step, handover=ho, integrity=self.check_integrity)
+        self._window.sync_s += time.perf_counter() - t0 - b.adapter_s
+        if rollouts is None:
             return
-        t0 = time.perf_counter()
-        a = self.adapter
-        if self.check_integrity:
-            self._window.add("draft/integrity_ok", float(a.check_integrity(self.engine)))
-        ho, self._handover = self._handover, None
-        ho.__exit__(None, None, None)
-        kept = sorted(ho.rows)  # rollouts TRL's forward covered (a masked-out one is not)
-        self._window.add("adapt/handover_missed", float(len(self._batch) - len(kept)))
-        if kept:
-            a.observe([self._batch[i] for i in kept], policy_version=self._batch_version, handover=ho.keep(kept))
-        self._batch, self._keys = None, {}
-        a.update_policy(weights, version=step)
-        for name, v in a.step().items():
-            if name.startswith(("adapt/", "train/", "accept/simulated")):
+        for name, v in b.metrics.items():
+            if name.startswith(("adapt/", "train/", "accept/simulated", "draft/integrity")):
                 self._window.add(name, v)
-        swap = a.swap(self.engine)
-        if swap is not None:
-            self._window.swaps.append(swap.ms)
-        self._window.adapt_s += time.perf_counter() - t0 + ho.seconds
+        self._window.swaps.extend(s.ms for s in b.swaps)
+        self._window.adapt_s += b.adapter_s + ho.seconds
 
     def _start_batch(self, rollouts: list, version: int) -> None:
         """Hand-over for this generation batch: TRL's next forwards over it feed the adapter."""

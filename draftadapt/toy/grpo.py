@@ -30,6 +30,7 @@ from typing import Any, Literal
 import torch
 
 from draftadapt.adapter import AdapterConfig, DraftAdapter, ScheduleConfig, ValidateConfig
+from draftadapt.boundary import StepBoundary
 from draftadapt.config import ConfigError, load_config, save_config
 from draftadapt.data.sequences import Sequence, collate
 from draftadapt.drafts.formats import META_FILE
@@ -174,6 +175,12 @@ class DemoConfig:
     # its own engine at k: "ngram" (vLLM's prompt lookup), "suffix" (suffix decoding; needs the
     # arctic-inference package, docs/design.md "Model-free baselines")
     baselines: list[Literal["ngram", "suffix"]] = field(default_factory=list)
+    # Rollout engines the RL batch is split over (data parallel, as verl or OpenRLHF hold their
+    # vLLM replicas). 1: one engine in this process. N > 1: N engine actors on a local Ray cluster
+    # kept on one draft version (draftadapt.integrations.ray.DraftFleet), the adapter in an actor of
+    # its own, the arms measured on the fleet; engine_threads are shared among the engines. Needs
+    # the ray extra (`pip install 'draftadapt[ray]'`; scripts/setup.sh installs it).
+    engines: int = 1
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     adapter: AdapterConfig = field(default_factory=toy_adapter)
@@ -201,6 +208,15 @@ class DemoConfig:
         if self.initial_draft == "own" and not method_for(self.method).in_target:
             raise ConfigError(f"initial_draft=own: method={self.method} has no draft inside the target; use "
                               "initial_draft=pretrain, or method=mtp on an MTP toy")
+        if self.engines < 1:
+            raise ConfigError(f"engines={self.engines}: give the number of rollout engines (>= 1)")
+        if self.engines > 1:
+            clash = {"async_lag": self.async_lag > 0, "adapter_background": self.adapter_background,
+                     "k_policy=online": self.k_policy == "online", "spec=false": not self.spec}
+            on = [name for name, used in clash.items() if used]
+            if on:
+                raise ConfigError(f"engines={self.engines} runs the synchronous Ray fleet; it does not combine with "
+                                  f"{', '.join(on)}: drop those, or use engines=1")
         if self.sync and not self.async_lag:
             raise ConfigError("sync= compares an asynchronous run with a synchronous one: set async_lag=1 too")
 
@@ -528,7 +544,18 @@ def run(cfg: DemoConfig) -> dict:
     # asynchronous: the RL engine in a child process, so generating beside the trainer does not
     # contend for this interpreter's lock (docs/design.md, "Asynchronous RL")
     rl_engine = EngineProcess if cfg.async_lag else RolloutEngine
-    if cfg.spec:
+    ray_cluster = None
+    if cfg.spec and cfg.engines > 1:
+        # the fleet: N engine actors on a local Ray cluster, the adapter in an actor of its own
+        from draftadapt.integrations.ray import DraftFleet, RemoteAdapter, local_cluster
+
+        ray_cluster = local_cluster(out / "ray")
+        adapter = RemoteAdapter(toy, draft0, out / "drafts", cfg.adapter, threads=cfg.engine_threads)
+        spec = DraftFleet(toy, draft0, engines=cfg.engines, cache_dir=out / "fleet",
+                          engine_kwargs=dict(method=cfg.method, num_speculative_tokens=cfg.k, seed=cfg.seed,
+                                             threads=max(1, cfg.engine_threads // cfg.engines),
+                                             max_num_seqs=cfg.max_num_seqs))
+    elif cfg.spec:
         adapter = DraftAdapter(toy, draft0, out / "drafts", cfg.adapter)
         online = cfg.k_policy == "online"
         spec = rl_engine(toy, draft0, method=cfg.method, num_speculative_tokens=cfg.online_k.k_max if online else cfg.k,
@@ -564,8 +591,9 @@ def run(cfg: DemoConfig) -> dict:
     rl_batch = None
     r = Run(cfg, policy, reference, opt, pad_id, logger, adapter, spec, plain, draft0, eval_prompts, spool, rng,
             history, arms, baselines, online_k)
+    # the RL step's boundary: the engine's policy load and draftadapt's calls, in their one order
+    boundary = StepBoundary(adapter, rollout_engine, background=cfg.adapter_background)
     t_start = time.perf_counter()
-    round_due = False  # adapter_background: a round to start before the next generation
 
     try:
         for step in range(0 if cfg.async_lag else cfg.grpo.steps):
@@ -573,19 +601,15 @@ def run(cfg: DemoConfig) -> dict:
             # 1. rollouts (with spec: from the live adapted draft; speculation changes nothing they contain)
             problems = [p for p in task.sample_problems(cfg.grpo.prompts_per_step, rng.randrange(1 << 30))
                         for _ in range(cfg.grpo.group_size)]
-            if round_due:  # background rounds: the one for the previous step's rollouts runs from here
-                adapter.start_step()
-                round_due = False
+            boundary.before_generate()  # background rounds: the previous step's round runs beside this generation
             t0 = time.perf_counter()
             gen = rollout_engine.generate([p["prompt"] for p in problems], temperature=cfg.grpo.temperature,
                                           max_tokens=cfg.grpo.max_tokens, seed=rng.randrange(1 << 30))
             row["stage/gen_s"] = row["stage/exposed_gen_s"] = time.perf_counter() - t0
             row["tps/rl_batch"] = gen.tokens_per_s
-            if adapter is not None and gen.spec.drafts:
-                # what the engine measured for the live draft on the RL batch itself: free, and
-                # what feeds the adapter's drift trigger (the eval arms below are not the step's)
-                adapter.report_measured(gen.spec.length)
-                row["accept/rl_batch_length"] = gen.spec.length
+            # what the engine measured for the live draft on the RL batch itself: free, and what
+            # feeds the adapter's drift trigger (the eval arms below are not the step's)
+            row.update(boundary.report(gen.spec))
             if online_k is not None:  # the same free counters re-choose the k table for what follows
                 row.update(online_k.update(spec, gen.spec))
                 row["k/schedule"] = schedule_text(spec.k_schedule)
@@ -600,9 +624,11 @@ def run(cfg: DemoConfig) -> dict:
                 row.update(grpo_update(policy, reference, opt, problems, gen.rollouts, cfg.grpo, pad_id, step, ho))
             version = step + 1
             weights = {k: v.detach() for k, v in policy.state_dict().items()}
-            rollout_engine.update_policy(weights, version=version)
             handover_s = ho.seconds if ho is not None else 0.0
-            row["stage/train_s"] = time.perf_counter() - t0 - handover_s
+            # 3. the step boundary: the engine's new policy, then draftadapt's calls in their order
+            b = boundary.after_update(gen.rollouts, sampled_version=version - 1, weights=weights, version=version,
+                                      handover=ho)
+            row["stage/train_s"] = time.perf_counter() - t0 - handover_s - b.adapter_s
             t_measure = time.perf_counter()
             if spec is not None:
                 plain.update_policy(weights, version=version)  # the no-speculation arm only
@@ -611,26 +637,15 @@ def run(cfg: DemoConfig) -> dict:
             if spool is not None:
                 spool.write_policy(version, weights, step=step)
             row["stage/measure_s"] = time.perf_counter() - t_measure
-            # 3. draftadapt, through its public API only
             if adapter is not None:
-                t0 = time.perf_counter()
-                if cfg.adapter_background:
-                    row.update(adapter.finish_step())  # waits for the round if it is not done yet
-                    swap = adapter.swap(spec)
-                row["draft/integrity_ok"] = float(adapter.check_integrity(spec))
-                adapter.observe(gen.rollouts, policy_version=version - 1, handover=ho)
-                adapter.update_policy(weights, version=version)
-                if cfg.adapter_background:
-                    round_due = True
-                else:
-                    row.update(adapter.step())
-                    swap = adapter.swap(spec)
-                if swap is not None:
-                    row["swap/ms"] = swap.ms
-                    seed_online_k(r, spec, swap, row)
-                row["stage/adapt_s"] = time.perf_counter() - t0 + handover_s
+                row.update(b.metrics)
+                if b.swap is not None:
+                    seed_online_k(r, spec, b.swap, row)
+                row["stage/adapt_s"] = b.adapter_s + handover_s
                 row["adapt/handover_s"] = handover_s
                 row["draft/version"] = float(spec.draft_version or 0)
+                if cfg.engines > 1:  # the version each engine served, read back from every actor
+                    row["fleet/versions"] = spec.versions()
             else:
                 row["stage/adapt_s"] = 0.0
             row["stage/rl_step_s"] = row["stage/gen_s"] + row["stage/train_s"] + row["stage/adapt_s"]
@@ -649,9 +664,13 @@ def run(cfg: DemoConfig) -> dict:
         for engine in (spec, plain, *baselines.values()):
             if engine is not None:
                 engine.close()
+        if ray_cluster is not None:
+            ray_cluster.close()
         logger.close()
 
     summary = summarize(cfg, history, arms, loop_seconds, fresh, rl_batch, baseline, sync)
+    if ray_cluster is not None:
+        summary["fleet"] = fleet_summary(spec, history)
     if online_k is not None:
         summary["online_k"] = {"calibrate_seconds": online_k.calibrate_s, "cost_model": online_k.model.to_dict(),
                                "k_table_per_step": [h.get("k/schedule") for h in history]}
@@ -676,6 +695,7 @@ def async_steps(r: Run):
     """
     cfg, adapter, engine = r.cfg, r.adapter, r.spec or r.plain
     lag, steps = cfg.async_lag, cfg.grpo.steps
+    boundary = StepBoundary(adapter, engine)
     # the thread that waits for the engine process's generation (it holds no lock meanwhile)
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="demo-gen")
     ready: dict[int, tuple[list[dict], Any, int]] = {}  # step -> (problems, GenerateResult, sampling version)
@@ -732,12 +752,9 @@ def async_steps(r: Run):
             t0 = time.perf_counter()
             torch.set_num_threads(threads_beside(job))
             if adapter is not None:
-                if gen.spec.drafts:
-                    adapter.report_measured(gen.spec.length)
-                    row["accept/rl_batch_length"] = gen.spec.length
-                adapter.observe(gen.rollouts, policy_version=step, handover=ho)
-                adapter.update_policy(weights, version=version)
-                row.update(adapter.step())
+                row.update(boundary.report(gen.spec))
+                row.update(boundary.learn(gen.rollouts, sampled_version=step, weights=weights, version=version,
+                                          handover=ho))
             adapt_s = time.perf_counter() - t0 + handover_s
             # 3. the boundary: the generation done, v(step+1) into the engine, the newest draft it may serve
             t0 = time.perf_counter()
@@ -747,18 +764,16 @@ def async_steps(r: Run):
             if step == 0:
                 row["async/fill_s"] = fill_s  # the first batch's generation, alone: part of the exposed time
             row["stage/gen_s"] = ready[step + lag][1].seconds if job is not None else 0.0
-            engine.update_policy(weights, version=version)
+            boundary.load_policy(weights, version)
             if r.online_k is not None and job is not None:  # the newest batch's counters, the engine idle
                 row.update(r.online_k.update(engine, ready[step + lag][1].spec))
                 row["k/schedule"] = schedule_text(engine.k_schedule)
             if adapter is not None:
-                t0 = time.perf_counter()
-                row["draft/integrity_ok"] = float(adapter.check_integrity(engine))
-                swap = adapter.swap(engine)
-                if swap is not None:
-                    row["swap/ms"] = swap.ms
-                    seed_online_k(r, engine, swap, row)
-                adapt_s += time.perf_counter() - t0
+                b = boundary.serve()
+                row.update(b.metrics)
+                if b.swap is not None:
+                    seed_online_k(r, engine, b.swap, row)
+                adapt_s += b.adapter_s
                 row["draft/version"] = float(engine.draft_version or 0)
                 row["draft/policy_version"] = float(served_policy_version(engine))
             row["stage/adapt_s"] = adapt_s
@@ -783,6 +798,21 @@ def async_steps(r: Run):
     finally:
         pool.shutdown(wait=True)
     return rl_batch
+
+
+def fleet_summary(fleet, history: list[dict]) -> dict:
+    """engines=N: per step the draft and policy version each engine served after the boundary,
+    and per broadcast version its size, wall time and any refusals."""
+    rows = [h["fleet/versions"] for h in history if "fleet/versions" in h]
+    return {
+        "engines": len(fleet.names),
+        "served_draft_version_per_step": [r["draft_version"] for r in rows],
+        "policy_version_per_step": [r["policy_version"] for r in rows],
+        "max_skew": max((r["skew"] for r in rows), default=0),
+        "broadcasts": [{"version": w.version, "policy_version": w.policy_version, "nbytes": w.nbytes,
+                        "broadcast_ms": w.broadcast_ms, "refused": w.refused} for w in fleet.swaps],
+        "engine_restarts": fleet.restarts,
+    }
 
 
 def served_policy_version(engine: RolloutEngine) -> int:
