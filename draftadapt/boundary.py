@@ -70,7 +70,7 @@ def as_engine_set(engines: Any) -> EngineSet | None:
         return None
     if isinstance(engines, (list, tuple)):
         return LocalEngines(engines)
-    if getattr(engines, "engine_set", False):  # a DraftFleet, or your own EngineSet
+    if getattr(type(engines), "engine_set", False) is True:  # a DraftFleet, or your own EngineSet (a class flag)
         return engines
     return LocalEngines([engines])
 

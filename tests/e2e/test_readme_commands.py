@@ -48,3 +48,32 @@ def test_trl_recipe_runs_as_the_readme_shows(toy_target, tmp_path):
     assert e["rl_step_s"] == pytest.approx(e["trl_step_s"] + e["sync_s"] + e["adapt_s"], rel=1e-9)
     assert set(s["without_draftadapt"]) == {"trl_generate", "vllm_no_spec"}
     assert s["tensorboard"], "TRL wrote no TensorBoard events"
+
+
+def test_demo_on_a_ray_fleet_of_two_engines(toy_target, tmp_path):
+    """`draftadapt demo engines=2` (README, "Past one machine"): the RL batch split over two engine
+    actors on a local Ray cluster, the adapter in its own actor; every step both engines serve the
+    same draft version, the newest published, and each broadcast's time is in the summary."""
+    draft = init_draft(toy_target, "eagle3", tmp_path / "draft0", seed=0)
+    out = tmp_path / "demo"
+    proc = subprocess.run(
+        [sys.executable, "-m", "draftadapt.cli", "demo", "--out", str(out), "--steps", "3", "--toy", str(toy_target),
+         f"draft={draft}", "engines=2", "grpo.prompts_per_step=4", "grpo.group_size=4", "eval.prompts=8",
+         "grpo.max_tokens=64", "eval.max_tokens=64", "adapter.schedule.every_n_steps=1",
+         "adapter.schedule.train_steps=2", "adapter.train.batch_size=8", "adapter.schedule.min_sequences=8",
+         "fresh_final=false", "rl_batch_arms=false"],
+        capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    line = last_json_line(proc)
+    assert line["steps"] == 3
+    s = json.loads((out / "summary.json").read_text())
+    f = s["fleet"]
+    assert f["engines"] == 2 and f["max_skew"] == 0 and f["engine_restarts"] == 0
+    assert f["policy_version_per_step"] == [{"engine0": v, "engine1": v} for v in (1, 2, 3)]
+    served = [sorted(set(row.values())) for row in f["served_draft_version_per_step"]]
+    assert all(len(v) == 1 for v in served), served
+    # an untrained head learns fast: rounds publish, and the fleet serves the newest at every step
+    published = [b["version"] for b in f["broadcasts"]]
+    assert published and published == sorted(published) and served[-1] == [published[-1]]
+    assert all(b["broadcast_ms"] > 0 and b["nbytes"] > 0 and not b["refused"] for b in f["broadcasts"])
+    frozen, adapted = (s["arms"][arm]["acceptance_length_per_step"] for arm in ("frozen", "adapted"))
+    assert all(f < 1.1 for f in frozen) and adapted[-1] > frozen[-1] + 0.1, (frozen, adapted)

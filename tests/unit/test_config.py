@@ -129,3 +129,13 @@ def test_demo_drafts_are_trained_at_least_k_steps_deep(tmp_path):
     cfg = load_config(DemoConfig, None, ["k=5", f"pretrain_recipe={deep}", "adapter.train.ttt_steps=6"])
     assert demo_pretrain_overrides(cfg) == ["data.num_prompts=768", "k=5"]
     assert demo_adapter(cfg).train.ttt_steps == 6
+
+
+def test_demo_engines_refuses_what_the_fleet_does_not_run():
+    from draftadapt.toy.grpo import DemoConfig
+
+    assert load_config(DemoConfig, None, ["engines=2"]).engines == 2
+    with pytest.raises(ConfigError, match=r"engines=0: give the number of rollout engines"):
+        load_config(DemoConfig, None, ["engines=0"])
+    with pytest.raises(ConfigError, match=r"engines=2 runs the synchronous Ray fleet; .*async_lag, k_policy=online"):
+        load_config(DemoConfig, None, ["engines=2", "async_lag=1", "k_policy=online"])
