@@ -148,7 +148,10 @@ class EngineServer:
         return value(*args, **kwargs) if callable(value) else value
 
     def close(self) -> None:
+        import shutil
+
         self.engine.close()
+        shutil.rmtree(self.cache, ignore_errors=True)  # this incarnation's copies of the drafts
 
 
 @dataclass
@@ -397,6 +400,8 @@ class DraftFleet:
                 pass
             ray.kill(a, no_restart=True)
         self.actors = []
+        if self.cache_dir is not None and Path(self.cache_dir).is_dir() and not any(Path(self.cache_dir).iterdir()):
+            Path(self.cache_dir).rmdir()  # each engine removed its own copies; nothing of ours is left
 
 
 class LocalCluster:
