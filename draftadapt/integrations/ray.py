@@ -405,27 +405,32 @@ class DraftFleet:
 
 
 class LocalCluster:
-    """A Ray cluster on this machine for one run (the demo's engines=N); ``close`` stops it if
-    this object started it. Ray's files go under ``temp_dir``, its workers' logs stay out of ours."""
+    """A Ray cluster on this machine for one run (the demo's engines=N); ``close`` stops it and
+    removes its files if this object started it. Ray's session files go under a short temporary
+    directory (its sockets' paths must stay under the 107 bytes AF_UNIX allows, which a run's own
+    output directory can exceed); its workers' logs stay out of ours."""
 
-    def __init__(self, temp_dir: str | Path | None = None, num_cpus: int | None = None):
+    def __init__(self, num_cpus: int | None = None):
         ray = _ray()
         self.started = not ray.is_initialized()
+        self.temp_dir = None
         if self.started:
-            kw = {"_temp_dir": str(Path(temp_dir).resolve())} if temp_dir else {}
-            Path(temp_dir).mkdir(parents=True, exist_ok=True) if temp_dir else None
+            self.temp_dir = tempfile.mkdtemp(prefix="da-ray-")
             ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=False,
-                     configure_logging=False, **kw)
+                     configure_logging=False, _temp_dir=self.temp_dir)
 
     def close(self) -> None:
         if self.started:
+            import shutil
+
             _ray().shutdown()
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
             self.started = False
 
 
-def local_cluster(temp_dir: str | Path | None = None, num_cpus: int | None = None) -> LocalCluster:
+def local_cluster(num_cpus: int | None = None) -> LocalCluster:
     """Join the Ray cluster this process is connected to, or start one on this machine."""
-    return LocalCluster(temp_dir, num_cpus)
+    return LocalCluster(num_cpus)
 
 
 _last_put: tuple[int, Any, Any] | None = None  # (id of the object, its ref, the object kept alive)

@@ -549,7 +549,7 @@ def run(cfg: DemoConfig) -> dict:
         # the fleet: N engine actors on a local Ray cluster, the adapter in an actor of its own
         from draftadapt.integrations.ray import DraftFleet, RemoteAdapter, local_cluster
 
-        ray_cluster = local_cluster(out / "ray")
+        ray_cluster = local_cluster()
         adapter = RemoteAdapter(toy, draft0, out / "drafts", cfg.adapter, threads=cfg.engine_threads)
         spec = DraftFleet(toy, draft0, engines=cfg.engines, cache_dir=out / "fleet",
                           engine_kwargs=dict(method=cfg.method, num_speculative_tokens=cfg.k, seed=cfg.seed,
