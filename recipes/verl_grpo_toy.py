@@ -1,0 +1,197 @@
+"""verl 0.9.1's GRPO, unmodified, on the toy world on CPU, with an Eagle-3 draft served by its vLLM
+rollout and draftadapt attached.
+
+    .venv/bin/python recipes/verl_grpo_toy.py --out runs/verl [--steps 8] [--toy DIR] [--draft DIR]
+
+Builds (or reuses) the toy target and a pretrained Eagle-3 draft (as the TRL recipe), writes
+verl's data files (parquet: the toy task's prompts in chat form) and reward function (the demo's:
+the correct final answer plus a bonus for the verbose style), and runs
+``python -m verl.trainer.main_ppo`` with what a CPU needs (draftadapt's ``cpu`` platform for
+verl, docs/design.md "verl on CPU") and the draft served through vLLM's speculative decoding
+(verl's per-request spec-decode counters on, so acceptance lands in verl's own metrics).
+verl's console log goes to OUT/verl.log; its metrics per step to OUT/metrics.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from draftadapt.toy import PRETRAIN_RECIPE, task
+from draftadapt.toy.grpo import pretrain_overrides
+
+# the chat template verl applies to each prompt: the toy prompt as it is (the toy target was
+# trained on bare prompts)
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+
+REWARD_PY = '''"""The demo's reward for verl: the correct final answer plus a bonus for the verbose style."""
+from draftadapt.toy import task
+
+STYLE, BONUS = {style!r}, {bonus!r}
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, **_):
+    correct = task.reward({{"answer": ground_truth}}, solution_str)
+    return correct + BONUS * float(task.style_of(solution_str) == STYLE)
+'''
+
+
+@dataclass
+class VerlToyConfig:
+    out: str = "runs/verl"
+    toy: str | None = None
+    draft: str | None = None
+    seed: int = 0
+    steps: int = 8
+    prompts_per_step: int = 16
+    group_size: int = 4
+    max_tokens: int = 96
+    k: int = 3
+    lr: float = 7e-4
+    style: str = "verbose"
+    style_bonus: float = 1.0
+    pretrain_prompts: int = 768
+    kv_cache_gib: int = 1  # vLLM's CPU KV cache (VLLM_CPU_KVCACHE_SPACE)
+    adapt: bool = True  # False: the draft stays frozen (verl's own sync trainer), for comparison
+
+
+def prepare(cfg: VerlToyConfig, out: Path) -> dict[str, Path]:
+    """The toy world, verl's copy of the policy (with a chat template), data and reward files."""
+    from draftadapt.pretrain import prepare_toy_world
+
+    toy, draft = prepare_toy_world(out, cfg.toy, cfg.draft, cfg.seed, PRETRAIN_RECIPE,
+                                   pretrain_overrides(PRETRAIN_RECIPE, "eagle3", cfg.k, cfg.pretrain_prompts),
+                                   tag="verl")
+    policy = out / "policy"
+    if not (policy / "config.json").is_file():
+        shutil.copytree(toy, policy, dirs_exist_ok=True)
+        tc = json.loads((policy / "tokenizer_config.json").read_text())
+        tc["chat_template"] = CHAT_TEMPLATE
+        (policy / "tokenizer_config.json").write_text(json.dumps(tc, indent=2))
+    import pandas as pd
+
+    def rows(problems, split):
+        return [{"data_source": "draftadapt_toy", "prompt": [{"role": "user", "content": p["prompt"]}],
+                 "ability": "arithmetic", "reward_model": {"style": "rule", "ground_truth": p["answer"]},
+                 "extra_info": {"split": split, "index": i}} for i, p in enumerate(problems)]
+
+    train = task.sample_problems(cfg.prompts_per_step * cfg.steps, cfg.seed)
+    val = task.sample_problems(cfg.prompts_per_step, cfg.seed + 1)
+    pd.DataFrame(rows(train, "train")).to_parquet(out / "train.parquet")
+    pd.DataFrame(rows(val, "val")).to_parquet(out / "val.parquet")
+    (out / "reward.py").write_text(REWARD_PY.format(style=cfg.style, bonus=cfg.style_bonus))
+    return {"toy": toy, "draft": draft, "policy": policy}
+
+
+def verl_env(cfg: VerlToyConfig) -> dict[str, str]:
+    """What verl and vLLM need on a CPU (docs/design.md, "verl on CPU")."""
+    env = dict(os.environ)
+    env.update({
+        "VERL_PLATFORM": "cpu",  # draftadapt's platform (entry point group verl.plugins)
+        "VERL_ENGINE_DEVICE": "cuda",  # verl registers its FSDP engine for cuda and npu only
+        "VLLM_TARGET_DEVICE": "cpu",
+        "VLLM_CPU_KVCACHE_SPACE": str(cfg.kv_cache_gib),
+        "TOKENIZERS_PARALLELISM": "false",
+        "HYDRA_FULL_ERROR": "1",
+        # draftadapt's trainer (trainer_mode=draftadapt), imported by verl in its processes
+        "VERL_USE_EXTERNAL_MODULES": "draftadapt.integrations.verl.trainer",
+    })
+    return env
+
+
+def verl_overrides(cfg: VerlToyConfig, paths: dict[str, Path], out: Path) -> list[str]:
+    batch = cfg.prompts_per_step * cfg.group_size
+    from draftadapt.drafts.methods import method_for
+
+    spec = json.dumps(method_for("eagle3").speculative_config(paths["draft"], cfg.k, 32 + cfg.max_tokens))
+    if cfg.adapt:
+        from draftadapt.config import save_config
+        from draftadapt.toy.grpo import toy_adapter
+
+        save_config(toy_adapter(), out / "adapter.yaml")
+        attach = ["trainer.v1.trainer_mode=draftadapt", f"+draftadapt.draft={paths['draft']}",
+                  f"+draftadapt.out={out / 'draftadapt'}", f"+draftadapt.adapter={out / 'adapter.yaml'}"]
+    else:
+        attach = ["trainer.v1.trainer_mode=sync"]
+    return [
+        "algorithm.adv_estimator=grpo",
+        f"data.train_files={out / 'train.parquet'}", f"data.val_files={out / 'val.parquet'}",
+        f"data.train_batch_size={cfg.prompts_per_step}", "data.max_prompt_length=32",
+        f"data.max_response_length={cfg.max_tokens}", "data.dataloader_num_workers=0",
+        f"data.seed={cfg.seed}",
+        f"actor_rollout_ref.model.path={paths['policy']}",
+        "actor_rollout_ref.model.use_remove_padding=False",
+        "actor_rollout_ref.model.enable_gradient_checkpointing=False",
+        "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+        # verl's spec-decode plumbing: the counters per request, into its metrics; the method is
+        # Eagle-3, the draft is draftadapt's (vLLM speculative_config below); nothing is trained
+        # by verl (enable_train stays off)
+        "actor_rollout_ref.model.mtp.enable=True", "actor_rollout_ref.model.mtp.enable_rollout=True",
+        "actor_rollout_ref.model.mtp.method=eagle3", f"actor_rollout_ref.model.mtp.num_speculative_tokens={cfg.k}",
+        f"+actor_rollout_ref.rollout.engine_kwargs.vllm.speculative_config='{spec}'",
+        # vLLM's per-request counters (verl reads them from each request's metrics)
+        "+actor_rollout_ref.rollout.engine_kwargs.vllm.per_request_spec_decode_metrics=summary",
+        "+actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls="
+        "draftadapt.integrations.verl.worker.VerlDraftWorkerExtension",
+        "actor_rollout_ref.actor.strategy=fsdp2", f"actor_rollout_ref.actor.optim.lr={cfg.lr}",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={cfg.prompts_per_step}",
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={batch}",
+        # no KL term, so no reference worker: verl builds it with FSDP2's CPUOffloadPolicy(pin_memory=True),
+        # and pinned memory needs an accelerator ("Cannot access accelerator device")
+        "actor_rollout_ref.actor.use_kl_loss=False",
+        # float32 throughout, as the demo's own GRPO (bf16 autocast is emulated, and slow, on a
+        # CPU without AVX-512 BF16)
+        "actor_rollout_ref.actor.fsdp_config.dtype=float32",
+        "actor_rollout_ref.rollout.name=vllm", f"actor_rollout_ref.rollout.n={cfg.group_size}",
+        "actor_rollout_ref.rollout.dtype=float32",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=1", "actor_rollout_ref.rollout.enforce_eager=True",
+        "actor_rollout_ref.rollout.free_cache_engine=False", "+actor_rollout_ref.rollout.enable_sleep_mode=False",
+        "actor_rollout_ref.rollout.load_format=auto", f"actor_rollout_ref.rollout.seed={cfg.seed}",
+        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={batch}",
+        "actor_rollout_ref.rollout.agent.num_workers=1",
+        f"reward.custom_reward_function.path={out / 'reward.py'}", "reward.custom_reward_function.name=compute_score",
+        "reward.num_workers=1",
+        "trainer.n_gpus_per_node=1", "trainer.nnodes=1", "trainer.device=cpu",
+        f"trainer.total_training_steps={cfg.steps}", "trainer.total_epochs=1",
+        "trainer.val_before_train=False", "trainer.test_freq=-1", "trainer.save_freq=-1",
+        "trainer.logger=[console,file]", "trainer.project_name=draftadapt", "trainer.experiment_name=verl_toy",
+        f"trainer.default_local_dir={out / 'checkpoints'}",
+        "ray_kwargs.ray_init.num_cpus=16", "+ray_kwargs.ray_init.num_gpus=1",
+        "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
+        *attach,
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=VerlToyConfig.out)
+    ap.add_argument("--steps", type=int, default=VerlToyConfig.steps)
+    ap.add_argument("--toy")
+    ap.add_argument("--draft")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--frozen", action="store_true", help="serve the draft without adapting it (verl's sync trainer)")
+    args = ap.parse_args(argv)
+    cfg = VerlToyConfig(out=args.out, steps=args.steps, toy=args.toy, draft=args.draft, seed=args.seed,
+                        adapt=not args.frozen)
+    out = Path(cfg.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    paths = prepare(cfg, out)
+    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *verl_overrides(cfg, paths, out)]
+    env = verl_env(cfg)
+    env["VERL_FILE_LOGGER_PATH"] = str(out / "metrics.jsonl")
+    env["DRAFTADAPT_VERL_POLICY_TAP"] = str(out / "policy_tap.safetensors")
+    print("[verl] " + " ".join(cmd), flush=True)
+    with open(out / "verl.log", "w") as log:
+        rc = subprocess.call(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=out)
+    print(f"[verl] exit {rc}; log {out / 'verl.log'}", flush=True)
+    return rc
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
