@@ -38,11 +38,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from draftadapt.boundary import StepBoundary
 from draftadapt.config import ConfigError
-from draftadapt.metrics.acceptance import AcceptanceStats
+
+# transformers (and torch) load when a SpeculativeRollouts is made, not with this module: the
+# package promises lazy imports of the frameworks it attaches to (tests/unit/test_imports.py).
 
 
 def _unwrap(trainer):
@@ -143,7 +143,7 @@ class SpeculativeRollouts:
             self._hook_policy(_unwrap(trainer))
         self._boundary = StepBoundary(self.adapter, self.engine)
         # First in line: on_log must add our numbers before TensorBoard's callback writes the row.
-        trainer.callback_handler.callbacks.insert(0, _Callback(self))
+        trainer.callback_handler.callbacks.insert(0, _callback(self))
 
     def close(self) -> None:
         for h in self._hooks:
@@ -197,6 +197,8 @@ class SpeculativeRollouts:
     def _hook_policy(self, model) -> None:
         """A hook on the decoder's output (input ids, mask, final hidden states): every forward of
         the policy over a rollout of the current batch hands that rollout's states over, once."""
+        import torch
+
         decoder = model.get_decoder()
         head = model.get_output_embeddings()
         cfg = model.config.get_text_config()
@@ -254,6 +256,8 @@ class _Window:
     """What happened since the last log line: counts and seconds, summed."""
 
     def __init__(self):
+        from draftadapt.metrics.acceptance import AcceptanceStats
+
         self.spec = AcceptanceStats()
         self.tokens = 0
         self.gen_s = self.sync_s = self.adapt_s = 0.0
@@ -264,23 +268,18 @@ class _Window:
         self.sums[name] = self.sums.get(name, 0.0) + float(value)
 
 
-def _callback_base():
+def _callback(rollouts: SpeculativeRollouts):
+    """The trainer callback. Step end: weights to the engine, the adapter's round, the swap. Log:
+    our metrics join the row."""
     from transformers import TrainerCallback
 
-    return TrainerCallback
+    class _Callback(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if rollouts.trainer is not None and rollouts._synced_step != state.global_step:
+                rollouts._sync(rollouts.trainer)
 
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs is not None and "loss" in logs:  # training rows only (not the run's final summary)
+                logs.update(rollouts._log_row(state.global_step))
 
-class _Callback(_callback_base()):
-    """Step end: weights to the engine, the adapter's round, the swap. Log: our metrics join the row."""
-
-    def __init__(self, rollouts: SpeculativeRollouts):
-        self.rollouts = rollouts
-
-    def on_step_end(self, args, state, control, **kwargs):
-        r = self.rollouts
-        if r.trainer is not None and r._synced_step != state.global_step:
-            r._sync(r.trainer)
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if logs is not None and "loss" in logs:  # training rows only (not the run's final summary)
-            logs.update(self.rollouts._log_row(state.global_step))
+    return _Callback()
