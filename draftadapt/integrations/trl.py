@@ -34,12 +34,11 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from draftadapt.boundary import StepBoundary
-from draftadapt.config import ConfigError
+from draftadapt.config import ConfigError, pass_down
 
 # transformers (and torch) load when a SpeculativeRollouts is made, not with this module: the
 # package promises lazy imports of the frameworks it attaches to (tests/unit/test_imports.py).
@@ -56,11 +55,12 @@ class SpeculativeRollouts:
 
     policy_dir: the HF model directory TRL's policy starts from (the engine serves it, the adapter
     loads its own copy); draft_dir: an Eagle-3 head or draft LM for it (None: no speculation);
-    out_dir: where the adapter publishes draft versions; adapter_cfg: the adapter's settings (its
-    temperature and k are set from the trainer and ``k``); engine_kwargs: more RolloutEngine
-    arguments (max_model_len, max_num_seqs, kv_cache_gib, threads, ...); check_integrity: read the
-    draft's fingerprint back after every weight sync and repair a lost draft (a sampled pass over
-    the draft's weights; False skips it).
+    out_dir: where the adapter publishes draft versions; adapter_cfg: the adapter's settings (an
+    AdapterConfig; its method, k and temperature are passed down from ``method``, ``k`` and the
+    trainer's GRPOConfig.temperature: leave them unset there, a different value is a ConfigError);
+    engine_kwargs: more RolloutEngine arguments (max_model_len, max_num_seqs, kv_cache_gib, threads,
+    ...); check_integrity: read the draft's fingerprint back after every weight sync and repair a
+    lost draft (a sampled pass over the draft's weights; False skips it).
     """
 
     def __init__(self, policy_dir: str | Path, draft_dir: str | Path | None, out_dir: str | Path = "runs/drafts",
@@ -74,6 +74,11 @@ class SpeculativeRollouts:
         self.method, self.k = method, k
         self.adapt = adapt and draft_dir is not None
         self.check_integrity = check_integrity
+        if self.adapt:  # a clash is refused before the engine starts (the temperature's, when attached)
+            from draftadapt.adapter import AdapterConfig
+
+            adapter_cfg = pass_down(adapter_cfg or AdapterConfig(), "adapter_cfg",
+                                    method=("SpeculativeRollouts.method", method), k=("SpeculativeRollouts.k", k))
         self._adapter_cfg = adapter_cfg
         # log-probs of the distribution sampled from (after temperature and top_p), as TRL's own
         # recomputation divides by its temperature: raw ones would differ at any T != 1
@@ -135,10 +140,10 @@ class SpeculativeRollouts:
         self.trainer = trainer
         self._rng = random.Random(args.seed)
         if self.adapt:
-            from draftadapt.adapter import AdapterConfig, DraftAdapter
+            from draftadapt.adapter import DraftAdapter
 
-            cfg = replace(self._adapter_cfg or AdapterConfig(), method=self.method, k=self.k,
-                          temperature=float(trainer.temperature))
+            cfg = pass_down(self._adapter_cfg, "adapter_cfg",
+                            temperature=("GRPOConfig.temperature", float(trainer.temperature)))
             self.adapter = DraftAdapter(self.policy_dir, self.draft_dir, self.out_dir, cfg)
             self._hook_policy(_unwrap(trainer))
         self._boundary = StepBoundary(self.adapter, self.engine)
