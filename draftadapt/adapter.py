@@ -29,7 +29,7 @@ import math
 import random
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar, Iterable, Sequence
 
@@ -91,11 +91,19 @@ class ValidateConfig:
             raise ConfigError(f"validation: margin in [0,1) and heldout_fraction in (0,1); got {self.margin}, {self.heldout_fraction}")
 
 
+# The run's facts, when nothing passes them: what DraftAdapter serves, scores and matches.
+RUN_DEFAULTS = {"method": "eagle3", "k": 3, "temperature": 1.0}
+
+
 @dataclass
 class AdapterConfig:
-    method: str = "eagle3"  # eagle3 | draft_model (must match the draft directory)
-    k: int = 3  # speculative tokens the engine drafts (for the simulated acceptance)
-    temperature: float = 1.0  # the engine's sampling temperature (the target distribution to match)
+    # The run's facts. The run the adapter is attached to passes them in (the demo its method, k
+    # and grpo.temperature; SpeculativeRollouts its method, k and the trainer's temperature) and
+    # refuses a different value set here (config.pass_down): leave them unset there. Unset where
+    # DraftAdapter is made directly: RUN_DEFAULTS (eagle3, k=3, T=1).
+    method: str | None = None  # eagle3 | draft_model | mtp (must match the draft directory)
+    k: int | None = None  # speculative tokens the engine drafts (for the simulated acceptance)
+    temperature: float | None = None  # the engine's sampling temperature (the distribution to match)
     replay_max_tokens: int = 200_000  # bound of the replay buffer in tokens
     replay_max_bytes: int = 512 << 20  # and in bytes (handed-over hidden states count)
     recency_decay: float = 0.5  # sampling weight of a sequence = decay ** (newest version - its version)
@@ -118,15 +126,20 @@ class AdapterConfig:
     train: TrainConfig = field(default_factory=lambda: TrainConfig(lr=3e-4, warmup_steps=0, schedule="constant"))
 
     def validate(self) -> None:
-        if self.method not in METHODS:
+        if self.method is not None and self.method not in METHODS:
             raise ConfigError(f"adapter.method {self.method!r}: use one of {', '.join(METHODS)}")
         if self.targets not in ("sampling", "current"):
             raise ConfigError(f"adapter.targets {self.targets!r}: use 'sampling' or 'current'")
-        if self.k < 1 or self.temperature <= 0:
+        if (self.k is not None and self.k < 1) or (self.temperature is not None and self.temperature <= 0):
             raise ConfigError(f"adapter.k >= 1 and adapter.temperature > 0 (got {self.k}, {self.temperature})")
         self.schedule.validate()  # also when built in code, not only through load_config
         self.validation.validate()
         self.train.validate()
+
+    def with_run_defaults(self) -> AdapterConfig:
+        """This config with each run fact nothing passed in at its RUN_DEFAULTS value."""
+        unset = {name: value for name, value in RUN_DEFAULTS.items() if getattr(self, name) is None}
+        return replace(self, **unset)
 
 
 def group_by_length(batches: list[list[ReplayItem]], rng: random.Random) -> list[list[ReplayItem]]:
@@ -240,7 +253,7 @@ class DraftAdapter:
 
     def __init__(self, policy_dir: str | Path, draft_dir: str | Path, out_dir: str | Path,
                  cfg: AdapterConfig | None = None, logger=None, policy_version: int = 0):
-        self.cfg = cfg or AdapterConfig()
+        self.cfg = (cfg or AdapterConfig()).with_run_defaults()
         self.cfg.validate()
         self.method = method_for(self.cfg.method)
         self.policy_dir = Path(policy_dir)

@@ -144,6 +144,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_cli(argv)
     # our own process: hub names resolve from the local cache, never over the network
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.command == "pretrain":
+        # Two torch threads on a shared 2-core machine: with OpenMP's default spin-waiting a
+        # descheduled thread stalls its partner, and a training step took 5x longer than with one
+        # thread (measured here under load); passive waiting removes that. libgomp reads it when
+        # torch loads, so it is set here, before the first import of torch, and only for this
+        # command: in an RL run's processes it slowed an engine's two-thread generation
+        # (docs/design.md, "Asynchronous RL").
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from draftadapt.config import ConfigError
     from draftadapt.drafts.formats import DraftFormatError
 

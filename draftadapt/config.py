@@ -3,7 +3,8 @@
 Every recipe is a dataclass tree. ``load_config(Cls, "recipe.yaml", ["train.lr=1e-3"])``
 reads the YAML, applies dotted overrides on top, converts each value to the
 field's declared type and refuses any key the dataclass does not declare, naming
-the key, where it came from and the keys that do exist.
+the key, where it came from and the keys that do exist. A fact several parts need (the demo's
+``k``) has one field; the parts it is passed to leave theirs unset (:func:`pass_down`).
 """
 
 from __future__ import annotations
@@ -179,6 +180,23 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
     for key, value in parse_overrides(overrides):
         _set_dotted(data, key, value)
     return _build(cls, data, "")
+
+
+def pass_down(section: T, where: str, **facts: tuple[str, Any]) -> T:
+    """``section`` (a config part named ``where``, e.g. "adapter") with facts its owner holds
+    passed in: ``facts`` maps a field of ``section`` to (the owner's key, its value).
+
+    One fact, one field: the owner's key is the one to set. The section's own field is left unset
+    (None) and filled here, or set to the same value; a different value is a ConfigError naming
+    both keys, never silently overwritten.
+    """
+    for name, (key, value) in facts.items():
+        own = getattr(section, name)
+        if own is not None and own != value:
+            raise ConfigError(f"{where}.{name}={own} conflicts with {key}={value}: set only {key} ({key}={own} if "
+                              f"that is what you meant; it is passed down to {where}.{name}) and leave "
+                              f"{where}.{name} unset")
+    return dataclasses.replace(section, **{name: value for name, (_, value) in facts.items()})
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

@@ -7,6 +7,7 @@ directory itself is fsynced (``fsync_dir``). Standard library only, so any modul
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -17,13 +18,21 @@ from pathlib import Path
 from typing import Any, Iterator
 
 
-def _current_umask() -> int:
-    mask = os.umask(0)
+@functools.cache
+def _umask() -> int:
+    """The process's umask, read at the first atomic write (importing this module changes nothing
+    in the process). Linux reports it in /proc without touching it; elsewhere os.umask can only
+    read it by setting it, so it is set to a private mask for that instant (a file another thread
+    creates then is private, never world-writable) and put straight back."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o077)
     os.umask(mask)
     return mask
-
-
-_UMASK = _current_umask()
 
 
 # Digests this process computed, by file identity (device, inode, size, mtime and ctime in ns):
@@ -104,7 +113,7 @@ def atomic_path(path: str | Path, durable: bool = True) -> Iterator[Path]:
         if durable:
             fsync_file(tmp)
         # mkstemp creates 0600; the RL run, the sidecar and the engine may be different users.
-        os.chmod(tmp, 0o666 & ~_UMASK)
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

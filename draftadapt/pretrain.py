@@ -27,13 +27,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# Two torch threads on a shared 2-core machine: with OpenMP's default spin-waiting a descheduled
-# thread stalls its partner, and a training step took 5x longer than with one thread (measured
-# here under load); passive waiting removes that. libgomp reads it when torch loads, so it is set
-# before ``import torch`` (the CLI imports this module first).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-import torch  # noqa: E402
+import torch
 
 from draftadapt.config import ConfigError, load_config, save_config
 from draftadapt.progress import progress

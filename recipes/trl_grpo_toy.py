@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from draftadapt.adapter import AdapterConfig
-from draftadapt.config import ConfigError, load_config, save_config
+from draftadapt.config import ConfigError, load_config, pass_down, save_config
 from draftadapt.toy import PRETRAIN_RECIPE, task
 from draftadapt.toy.grpo import pretrain_overrides, toy_adapter
 
@@ -51,13 +51,13 @@ class TRLToyConfig:
     group_size: int = 4  # TRL's num_generations
     micro_batch: int = 64  # TRL's per_device_train_batch_size; accumulation makes up the step
     max_tokens: int = 96  # TRL's max_completion_length
-    temperature: float = 1.0
+    temperature: float = 1.0  # TRL's; passed down to adapter.temperature through the trainer
     lr: float = 7e-4  # the demo's policy rate and warmup (its GRPOConfig explains both)
     warmup_steps: int = 3
     beta: float = 0.1  # KL to the initial policy, as the demo
     style: str = "verbose"  # the demo's reward: correct answer + style_bonus for this style
     style_bonus: float = 1.0
-    k: int = 3
+    k: int = 3  # the engine's draft length; passed down to adapter.k by SpeculativeRollouts
     # torch threads of this process (trainer and in-process engine), both cores as the demo; on a
     # machine shared with other jobs use 1: two OpenMP threads on one free core wait on each
     # other at every barrier
@@ -72,6 +72,11 @@ class TRLToyConfig:
     # the demo's draft: pretrained on this many prompts (draftadapt/toy/grpo.py, DemoConfig explains it)
     pretrain_prompts: int = 768
     adapter: AdapterConfig = field(default_factory=toy_adapter)  # the demo's online schedule
+
+    def validate(self) -> None:
+        # what SpeculativeRollouts refuses (an Eagle-3 head at k), refused before the world is built
+        pass_down(self.adapter, "adapter", method=("SpeculativeRollouts.method", "eagle3"), k=("k", self.k),
+                  temperature=("temperature", self.temperature))
 
 
 def prepare_world(cfg, out: Path) -> tuple[Path, Path]:

@@ -101,8 +101,8 @@ def replay(spool: Path, target: Path, draft: Path, overrides: list[str], eval_se
             adapter.refresh_shared_embeddings(frozen)
             rows.append({
                 "step": step, "policy_version": adapter.policy_version,
-                "adapted": score_draft(adapter.live_draft(), held, cfg.k)[0].length,
-                "frozen": score_draft(frozen, held, cfg.k)[0].length,
+                "adapted": score_draft(adapter.live_draft(), held, adapter.cfg.k)[0].length,
+                "frozen": score_draft(frozen, held, adapter.cfg.k)[0].length,
                 "published": int(m.get("adapt/published", 0.0)),
                 "simulated_length": m.get("accept/simulated_length"),
                 "train_steps": int(m.get("adapt/train_steps", 0.0)),

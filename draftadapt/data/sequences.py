@@ -120,7 +120,3 @@ def iter_batches(
     order = batch_order([len(s) for s in seqs], batch_size, seed)
     for b in epoch_plan(len(order), seed, epoch, skip, rank, world):
         yield collate([seqs[i] for i in order[b]], pad_id)
-
-
-def steps_per_epoch(num_seqs: int, batch_size: int, world: int = 1) -> int:
-    return len(batch_order([0] * num_seqs, batch_size, 0)) // world

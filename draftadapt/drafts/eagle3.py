@@ -309,10 +309,6 @@ def ttt_unroll(
     return out
 
 
-def param_count(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
-
-
 def init_from_target(target, aux_layer_ids: list[int] | None, draft_vocab: int | None,
                      counts: torch.Tensor | None, seed: int) -> Eagle3Head:
     """A fresh head sized for an HF target: embeddings copied from the target, not random.

@@ -29,10 +29,6 @@ def build_vocab_map(counts: torch.Tensor, draft_vocab: int) -> tuple[torch.Tenso
     return d2t, t2d
 
 
-def identity_vocab_map(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.zeros(vocab, dtype=torch.int64), torch.ones(vocab, dtype=torch.bool)
-
-
 def draft_to_target_ids(d2t: torch.Tensor) -> torch.Tensor:
     """[Vd] offsets -> [Vd] target ids."""
     return torch.arange(d2t.numel(), dtype=torch.int64) + d2t

@@ -87,9 +87,10 @@ class EngineProcess:
         self._conn, child = ctx.Pipe()
         self._lock = threading.Lock()
         self._proc = ctx.Process(target=_serve, args=(child, params), name="draftadapt-engine", daemon=True)
-        # The child reads the environment when it starts. OpenMP's passive waiting (draftadapt.pretrain sets
-        # it; docs/design.md, "Asynchronous RL") made its two-thread generation run on one
-        # core: 1600 tokens/s against 3300 with libgomp's default short spin. Not inherited.
+        # The child reads the environment when it starts. OpenMP's passive waiting (the `draftadapt
+        # pretrain` command sets it, a user may too; docs/design.md, "Asynchronous RL") made its
+        # two-thread generation run on one core: 1600 tokens/s against 3300 with libgomp's default
+        # short spin. Not inherited.
         wait_policy = os.environ.pop("OMP_WAIT_POLICY", None)
         try:
             self._proc.start()

@@ -31,7 +31,6 @@ from draftadapt.drafts.formats import (
     dtype_name,
     identity_mismatch,
     model_dtype,
-    read_hf_config,
     target_fingerprint,
 )
 from draftadapt.drafts.methods import check_serves, method_for
@@ -601,7 +600,3 @@ def percentile(values: list[float], q: float) -> float:
 
 def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
-
-
-def target_max_positions(target: str | Path) -> int:
-    return int(read_hf_config(target).get("max_position_embeddings", 0))

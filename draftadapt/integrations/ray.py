@@ -500,7 +500,7 @@ class RemoteAdapter:
         from draftadapt.adapter import AdapterConfig
         from draftadapt.data.store import DraftStore
 
-        self.cfg = cfg or AdapterConfig()
+        self.cfg = (cfg or AdapterConfig()).with_run_defaults()  # as the DraftAdapter in the actor
         self.out_dir = Path(out_dir)
         options = {"num_cpus": 0, "max_restarts": -1, "max_task_retries": -1, **(actor_options or {})}
         self.actor = ray.remote(AdapterServer).options(**options).remote(

@@ -34,15 +34,14 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from draftadapt.boundary import StepBoundary
-from draftadapt.config import ConfigError
-from draftadapt.metrics.acceptance import AcceptanceStats
+from draftadapt.config import ConfigError, pass_down
+
+# transformers (and torch) load when a SpeculativeRollouts is made, not with this module: the
+# package promises lazy imports of the frameworks it attaches to (tests/unit/test_imports.py).
 
 
 def _unwrap(trainer):
@@ -56,11 +55,12 @@ class SpeculativeRollouts:
 
     policy_dir: the HF model directory TRL's policy starts from (the engine serves it, the adapter
     loads its own copy); draft_dir: an Eagle-3 head or draft LM for it (None: no speculation);
-    out_dir: where the adapter publishes draft versions; adapter_cfg: the adapter's settings (its
-    temperature and k are set from the trainer and ``k``); engine_kwargs: more RolloutEngine
-    arguments (max_model_len, max_num_seqs, kv_cache_gib, threads, ...); check_integrity: read the
-    draft's fingerprint back after every weight sync and repair a lost draft (a sampled pass over
-    the draft's weights; False skips it).
+    out_dir: where the adapter publishes draft versions; adapter_cfg: the adapter's settings (an
+    AdapterConfig; its method, k and temperature are passed down from ``method``, ``k`` and the
+    trainer's GRPOConfig.temperature: leave them unset there, a different value is a ConfigError);
+    engine_kwargs: more RolloutEngine arguments (max_model_len, max_num_seqs, kv_cache_gib, threads,
+    ...); check_integrity: read the draft's fingerprint back after every weight sync and repair a
+    lost draft (a sampled pass over the draft's weights; False skips it).
     """
 
     def __init__(self, policy_dir: str | Path, draft_dir: str | Path | None, out_dir: str | Path = "runs/drafts",
@@ -74,6 +74,11 @@ class SpeculativeRollouts:
         self.method, self.k = method, k
         self.adapt = adapt and draft_dir is not None
         self.check_integrity = check_integrity
+        if self.adapt:  # a clash is refused before the engine starts (the temperature's, when attached)
+            from draftadapt.adapter import AdapterConfig
+
+            adapter_cfg = pass_down(adapter_cfg or AdapterConfig(), "adapter_cfg",
+                                    method=("SpeculativeRollouts.method", method), k=("SpeculativeRollouts.k", k))
         self._adapter_cfg = adapter_cfg
         # log-probs of the distribution sampled from (after temperature and top_p), as TRL's own
         # recomputation divides by its temperature: raw ones would differ at any T != 1
@@ -135,15 +140,15 @@ class SpeculativeRollouts:
         self.trainer = trainer
         self._rng = random.Random(args.seed)
         if self.adapt:
-            from draftadapt.adapter import AdapterConfig, DraftAdapter
+            from draftadapt.adapter import DraftAdapter
 
-            cfg = replace(self._adapter_cfg or AdapterConfig(), method=self.method, k=self.k,
-                          temperature=float(trainer.temperature))
+            cfg = pass_down(self._adapter_cfg, "adapter_cfg",
+                            temperature=("GRPOConfig.temperature", float(trainer.temperature)))
             self.adapter = DraftAdapter(self.policy_dir, self.draft_dir, self.out_dir, cfg)
             self._hook_policy(_unwrap(trainer))
         self._boundary = StepBoundary(self.adapter, self.engine)
         # First in line: on_log must add our numbers before TensorBoard's callback writes the row.
-        trainer.callback_handler.callbacks.insert(0, _Callback(self))
+        trainer.callback_handler.callbacks.insert(0, _callback(self))
 
     def close(self) -> None:
         for h in self._hooks:
@@ -197,6 +202,8 @@ class SpeculativeRollouts:
     def _hook_policy(self, model) -> None:
         """A hook on the decoder's output (input ids, mask, final hidden states): every forward of
         the policy over a rollout of the current batch hands that rollout's states over, once."""
+        import torch
+
         decoder = model.get_decoder()
         head = model.get_output_embeddings()
         cfg = model.config.get_text_config()
@@ -254,6 +261,8 @@ class _Window:
     """What happened since the last log line: counts and seconds, summed."""
 
     def __init__(self):
+        from draftadapt.metrics.acceptance import AcceptanceStats
+
         self.spec = AcceptanceStats()
         self.tokens = 0
         self.gen_s = self.sync_s = self.adapt_s = 0.0
@@ -264,23 +273,18 @@ class _Window:
         self.sums[name] = self.sums.get(name, 0.0) + float(value)
 
 
-def _callback_base():
+def _callback(rollouts: SpeculativeRollouts):
+    """The trainer callback. Step end: weights to the engine, the adapter's round, the swap. Log:
+    our metrics join the row."""
     from transformers import TrainerCallback
 
-    return TrainerCallback
+    class _Callback(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if rollouts.trainer is not None and rollouts._synced_step != state.global_step:
+                rollouts._sync(rollouts.trainer)
 
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs is not None and "loss" in logs:  # training rows only (not the run's final summary)
+                logs.update(rollouts._log_row(state.global_step))
 
-class _Callback(_callback_base()):
-    """Step end: weights to the engine, the adapter's round, the swap. Log: our metrics join the row."""
-
-    def __init__(self, rollouts: SpeculativeRollouts):
-        self.rollouts = rollouts
-
-    def on_step_end(self, args, state, control, **kwargs):
-        r = self.rollouts
-        if r.trainer is not None and r._synced_step != state.global_step:
-            r._sync(r.trainer)
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if logs is not None and "loss" in logs:  # training rows only (not the run's final summary)
-            logs.update(self.rollouts._log_row(state.global_step))
+    return _Callback()

@@ -31,7 +31,7 @@ import torch
 
 from draftadapt.adapter import AdapterConfig, DraftAdapter, ScheduleConfig, ValidateConfig
 from draftadapt.boundary import StepBoundary
-from draftadapt.config import ConfigError, load_config, save_config
+from draftadapt.config import ConfigError, load_config, pass_down, save_config
 from draftadapt.data.sequences import Sequence, collate
 from draftadapt.drafts.formats import META_FILE
 from draftadapt.drafts.methods import method_for
@@ -53,7 +53,7 @@ class GRPOConfig:
     prompts_per_step: int = 64
     group_size: int = 4  # samples per problem (GRPO group)
     max_tokens: int = 96  # response budget
-    temperature: float = 1.0
+    temperature: float = 1.0  # the engines sample at it; passed down to adapter.temperature (what the draft matches)
     # policy learning rate, reached after warmup_steps: the highest that kept the arithmetic on
     # every seed tried
     lr: float = 7e-4
@@ -106,6 +106,7 @@ class DemoConfig:
     # "eagle3": an Eagle-3 head; "mtp": MTP layers of a toy built with `toy build --mtp 1`, served
     # with vLLM's method="mtp". The fresh reference is pretrained on the final policy's samples by
     # pretrain_recipe (method= set to this); the draft RL starts from is set by initial_draft.
+    # Passed down to adapter.method.
     method: str = "eagle3"
     # Where draft= is not given, the draft RL starts from (and the frozen arm keeps): "pretrain",
     # pretrained on the toy's own samples like the fresh one; "own" (method=mtp), the target's own
@@ -115,7 +116,7 @@ class DemoConfig:
     initial_draft: Literal["pretrain", "own"] = "pretrain"
     # The speculative engine's draft length; unset: 3 for an Eagle-3 head, 5 for MTP (on the MTP
     # toy at the RL batch, k=5 generates 1.10x faster than k=3, and at k=3 its layer accepts near
-    # the ceiling, which hides the drift: docs/design.md, "MTP").
+    # the ceiling, which hides the drift: docs/design.md, "MTP"). Passed down to adapter.k.
     k: int | None = None
     engine_threads: int = 2
     # Sequences each engine decodes at once (vLLM's max_num_seqs): the RL batch
@@ -219,6 +220,7 @@ class DemoConfig:
                                   f"{', '.join(on)}: drop those, or use engines=1")
         if self.sync and not self.async_lag:
             raise ConfigError("sync= compares an asynchronous run with a synchronous one: set async_lag=1 too")
+        demo_adapter(self)  # adapter.k=4 beside k=3 (or method, temperature) is refused before anything runs
 
 
 def token_logprobs(model, batch: dict, handover=None, index=None) -> torch.Tensor:
@@ -332,9 +334,11 @@ def demo_pretrain_overrides(cfg: DemoConfig) -> list[str]:
 
 
 def demo_adapter(cfg: DemoConfig) -> AdapterConfig:
-    """cfg.adapter with the demo's method and k, trained at least k TTT steps deep."""
-    a = cfg.adapter
-    return replace(a, method=cfg.method, k=cfg.k, train=replace(a.train, ttt_steps=train_depth(cfg.k, a.train.ttt_steps)))
+    """cfg.adapter with the demo's method, k and sampling temperature passed down (adapter.method,
+    adapter.k and adapter.temperature are left unset, or agree), trained at least k TTT steps deep."""
+    a = pass_down(cfg.adapter, "adapter", method=("method", cfg.method), k=("k", cfg.k),
+                  temperature=("grpo.temperature", cfg.grpo.temperature))
+    return replace(a, train=replace(a.train, ttt_steps=train_depth(cfg.k, a.train.ttt_steps)))
 
 
 def prepare_world(cfg, out: Path) -> tuple[Path, Path]:

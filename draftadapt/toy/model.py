@@ -6,7 +6,7 @@ Llama by default, Qwen3 (same sizes, with q/k norm) as the option. Both are plai
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 from transformers import (LlamaConfig, LlamaForCausalLM, PreTrainedModel, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
@@ -67,7 +67,3 @@ def build_model(cfg: ToyModelConfig, seed: int = 0) -> PreTrainedModel:
     hf = hf_config(cfg)
     model = {"llama": LlamaForCausalLM, "qwen3": Qwen3ForCausalLM, "qwen2": Qwen2ForCausalLM}[cfg.arch](hf)
     return model
-
-
-def config_dict(cfg: ToyModelConfig) -> dict:
-    return asdict(cfg)

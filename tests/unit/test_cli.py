@@ -3,6 +3,8 @@ leaves the dataclass default, a flag given sets its field, unknown keys are erro
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from draftadapt.cli import DEMO_FLAGS, EVAL_FLAGS, _parser, field_overrides, main, parse_cli
@@ -72,3 +74,15 @@ def test_eval_k_table_config_errors_name_the_fix(overrides, message):
 def test_demo_refuses_a_bad_key_before_it_starts(argv, message, capsys):
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_pretrain_command_waits_passively_and_no_other_does(monkeypatch, tmp_path, capsys):
+    """OMP_WAIT_POLICY=PASSIVE is the `draftadapt pretrain` command's own (set before torch loads
+    in its process); the demo's process keeps libgomp's default."""
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main(["demo", "--out", str(tmp_path), "nope=1"]) == 2
+    assert "OMP_WAIT_POLICY" not in os.environ
+    assert main(["pretrain", str(tmp_path / "missing.yaml")]) == 2
+    assert "recipe" in capsys.readouterr().err
+    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"

@@ -1,8 +1,10 @@
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
+from draftadapt.adapter import AdapterConfig
 from draftadapt.config import ConfigError, load_config
 
 
@@ -139,3 +141,41 @@ def test_demo_engines_refuses_what_the_fleet_does_not_run():
         load_config(DemoConfig, None, ["engines=0"])
     with pytest.raises(ConfigError, match=r"engines=2 runs the synchronous Ray fleet; .*async_lag, k_policy=online"):
         load_config(DemoConfig, None, ["engines=2", "async_lag=1", "k_policy=online"])
+
+
+def test_a_fact_has_one_field_and_is_passed_down():
+    """k, method and the sampling temperature are the demo's (k, method, grpo.temperature): the
+    adapter gets them passed down; its own field set to another value is refused naming both."""
+    from draftadapt.toy.grpo import DemoConfig, demo_adapter
+
+    a = demo_adapter(load_config(DemoConfig, None, ["grpo.temperature=0.7"]))
+    assert (a.method, a.k, a.temperature) == ("eagle3", 3, 0.7)  # the draft matches what the engine samples
+    a = demo_adapter(load_config(DemoConfig, None, ["k=4", "adapter.k=4", "adapter.temperature=1.0"]))
+    assert (a.k, a.temperature) == (4, 1.0)  # the same value twice is no conflict
+    for overrides, message in [
+        (["adapter.k=4"], "adapter.k=4 conflicts with k=3: set only k (k=4 if"),
+        (["method=mtp", "adapter.k=3"], "adapter.k=3 conflicts with k=5"),
+        (["adapter.method=draft_model"], "adapter.method=draft_model conflicts with method=eagle3: set only method"),
+        (["grpo.temperature=0.7", "adapter.temperature=1.0"],
+         "adapter.temperature=1.0 conflicts with grpo.temperature=0.7: set only grpo.temperature"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            load_config(DemoConfig, None, overrides)
+    with pytest.raises(ConfigError, match=re.escape("adapter.k=4 conflicts with k=3")):
+        demo_adapter(DemoConfig(adapter=AdapterConfig(k=4)))  # built in code: refused when the run starts
+
+
+def test_the_trl_integration_passes_method_and_k_down(tmp_path):
+    """SpeculativeRollouts(method=, k=) are the engine's; an adapter_cfg that says otherwise is
+    refused before an engine starts."""
+    from draftadapt.integrations.trl import SpeculativeRollouts
+
+    with pytest.raises(ConfigError, match=re.escape("adapter_cfg.k=4 conflicts with SpeculativeRollouts.k=3")):
+        SpeculativeRollouts(tmp_path / "policy", tmp_path / "draft", adapter_cfg=AdapterConfig(k=4))
+    with pytest.raises(ConfigError, match=re.escape("adapter_cfg.method=mtp conflicts with SpeculativeRollouts.method")):
+        SpeculativeRollouts(tmp_path / "policy", tmp_path / "draft", adapter_cfg=AdapterConfig(method="mtp"), k=5)
+
+
+def test_an_adapter_made_directly_runs_eagle3_at_k3_and_t1():
+    assert AdapterConfig().with_run_defaults() == AdapterConfig(method="eagle3", k=3, temperature=1.0)
+    assert AdapterConfig(k=5).with_run_defaults().k == 5
