@@ -71,6 +71,9 @@ class VerlToyConfig:
     pretrain_prompts: int = 768
     kv_cache_gib: int = 1  # vLLM's CPU KV cache (VLLM_CPU_KVCACHE_SPACE)
     adapt: bool = True  # False: the draft stays frozen (verl's own sync trainer), for comparison
+    # torch threads of the adapter's round in verl's trainer process (Ray gives that actor one):
+    # this machine's cores, since verl's workers wait while it runs
+    adapter_threads: int = os.cpu_count() or 1
     adapter_overrides: tuple[str, ...] = ()  # KEY=VALUE on the adapter's config (VERL_ADAPTER)
 
 
@@ -134,7 +137,8 @@ def verl_overrides(cfg: VerlToyConfig, paths: dict[str, Path], out: Path, arm: P
             save_config(load_config(AdapterConfig, out / "adapter.yaml", list(cfg.adapter_overrides)),
                         out / "adapter.yaml")
         attach = ["trainer.v1.trainer_mode=draftadapt", f"+draftadapt.draft={paths['draft']}",
-                  f"+draftadapt.out={arm / 'draftadapt'}", f"+draftadapt.adapter={out / 'adapter.yaml'}"]
+                  f"+draftadapt.out={arm / 'draftadapt'}", f"+draftadapt.adapter={out / 'adapter.yaml'}",
+                  f"+draftadapt.threads={cfg.adapter_threads}"]
     else:
         attach = ["trainer.v1.trainer_mode=sync"]
     return [

@@ -18,7 +18,9 @@ is in verl's metrics with or without draftadapt's trainer.
 Settings, from verl's config: ``+draftadapt.draft=DIR`` (the draft vLLM was started with, also
 given as ``engine_kwargs.vllm.speculative_config``), ``+draftadapt.out=DIR`` (the adapter's
 draft store), ``+draftadapt.adapter=YAML`` (an AdapterConfig; optional), ``+draftadapt.adapt=false``
-(the frozen draft: nothing trained, for comparison runs).
+(the frozen draft: nothing trained, for comparison runs), ``+draftadapt.threads=N`` (torch threads
+for the adapter's round: verl's trainer process is a Ray actor of one CPU, so Ray gives it
+``OMP_NUM_THREADS=1``; the round runs while verl's other workers wait).
 
 The adapter's copy of the policy reads each new policy from the file replica 0's worker writes
 during verl's weight sync (``DRAFTADAPT_VERL_POLICY_TAP``, set here): one node, or a shared
@@ -120,6 +122,10 @@ class DraftAdaptPPOTrainer(PPOTrainerSync):
                                      float(self.config.actor_rollout_ref.rollout.temperature)))
         policy = self.config.actor_rollout_ref.model.path
         self._da_adapt = bool(da.get("adapt", True))
+        if da.get("threads"):
+            import torch
+
+            torch.set_num_threads(int(da["threads"]))
         adapter = DraftAdapter(policy, da["draft"], self._da_out / "drafts", cfg) if self._da_adapt else None
         self._da_engines = VerlEngines(self.checkpoint_manager.replicas, self._da_out / "status")
         self._da_boundary = StepBoundary(adapter, self._da_engines)
