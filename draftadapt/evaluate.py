@@ -13,10 +13,11 @@ simulates the acceptance of the draft on them (``metrics.acceptance``). Prints o
 and the time per engine step with and without speculation.
 
 With ``--ks``, the k table instead (:func:`k_table`): tokens/s and acceptance length for every
-draft length k (0 = no speculation) at every batch size, measured with one engine per k, and the
-k the step-cost model of ``metrics.kcost`` chooses per batch size from three of those engines
-(0, the smallest and the largest k). Prints ``{"table": [{"k", "batch_size", "tokens_per_s",
-"acceptance_length", ...predicted...}], "choice": {"<batch_size>": k}, ...}``.
+draft length k (0 = no speculation) at every batch size, measured with one engine per k, the
+measured best k per batch size, and the k the step-cost model of ``metrics.kcost`` chooses from
+three of those engines (0, the smallest and the largest k; the choice with ``measure="fit"``).
+Prints ``{"table": [{"k", "batch_size", "tokens_per_s", "acceptance_length", ...predicted...}],
+"choice": {"<batch_size>": k}, "choice_from", "model_choice", ...}``.
 """
 
 from __future__ import annotations
@@ -203,9 +204,10 @@ def evaluate(cfg: EvaluateConfig, repeats: int = 1, threads: int | None = None,
 
 def k_table(cfg: EvaluateConfig, threads: int | None = None) -> dict[str, Any]:
     """tokens/s and acceptance length for each k in ``cfg.ks`` at each batch size, measured, and
-    the same predicted by the step-cost model fitted on three of the engines (``fit_ks``); the
-    choice per batch size is the argmax of the prediction (``metrics.kcost``, docs/design.md
-    "Choosing k"). Batch size b generates one response for each of the first b prompts (the
+    the same predicted by the step-cost model fitted on three of the engines (``fit_ks``). The
+    choice per batch size is the measured best where every k was measured (``measure="all"``),
+    else the argmax of the prediction (``metrics.kcost``, docs/design.md "Choosing k"); the
+    model's argmax is reported beside it either way. Batch size b generates one response for each of the first b prompts (the
     held-out prompts, reused in order if there are fewer than b)."""
     target, draft = Path(cfg.target), Path(cfg.draft)
     method = method_of_dir(draft).name
@@ -247,20 +249,25 @@ def k_table(cfg: EvaluateConfig, threads: int | None = None) -> dict[str, Any]:
                 row.update(tokens_per_s=round(tps, 1), acceptance_length=round(measured_length(k, b), 4),
                            step_ms=round(1e3 * step_seconds(b, tps, measured_length(k, b)), 3))
             rows.append(row)
-    choice = choose_k(predicted)
+    model_choice = choose_k(predicted)
+    # Where every k was measured, the choice is the measured best; the model's argmax is printed
+    # beside it (what `--measure fit`, which measures three engines only, would have chosen).
+    measured = {kb: v[0] for kb, v in cells.items()}
+    choice = choose_k(measured) if cfg.measure == "all" else model_choice
     result: dict[str, Any] = {
         "table": rows,
         "choice": {str(b): k for b, k in choice.items()},
+        "choice_from": "measured" if cfg.measure == "all" else "model",
+        "model_choice": {str(b): k for b, k in model_choice.items()},
         "method": method, "temperature": cfg.temperature, "max_tokens": cfg.max_tokens,
         "fit_ks": fitted, "per_position_acceptance": [round(x, 4) for x in rates],
         "cost_model": model.to_dict(),
     }
     if cfg.measure == "all":
-        measured = {kb: v[0] for kb, v in cells.items()}
-        best = choose_k(measured)
-        result["best_measured"] = {str(b): k for b, k in best.items()}
-        # what the choice leaves on the table: its measured tokens/s over the best k's
-        result["choice_vs_best"] = {str(b): round(measured[(choice[b], b)] / measured[(best[b], b)], 4) for b in bss}
+        result["best_measured"] = result["choice"]
+        # what the model's choice would leave on the table: its measured tokens/s over the best k's
+        result["model_vs_best"] = {str(b): round(measured[(model_choice[b], b)] / measured[(choice[b], b)], 4)
+                                   for b in bss}
     result["seconds"] = round(time.perf_counter() - t0, 1)
     return result
 
@@ -279,15 +286,16 @@ def k_table_lines(result: dict[str, Any]) -> list[str]:
         parts = []
         for b in bss:
             c = cells[b]
-            mark = "*" if result["choice"].get(str(b)) == k else " "
+            mark = "*" if result["choice"].get(str(b)) == k else "+" if result["model_choice"].get(str(b)) == k else " "
             meas = f"{c['tokens_per_s']:.0f}" if c["tokens_per_s"] is not None else "-"
             parts.append(f"{mark}{meas:>6} / {c['tokens_per_s_predicted']:.0f}".ljust(len(f"b={b}: tok/s meas / pred")))
         lines.append(f"{k}  {acc_txt:<17}  " + "  ".join(parts) + ("  (fitted)" if acc["fitted"] else ""))
-    lines.append("chosen k (*, from the prediction): " + ", ".join(f"b={b}: {k}" for b, k in result["choice"].items()))
-    if "best_measured" in result:
-        lines.append("best measured k: " + ", ".join(
-            f"b={b}: {k} (chosen gives {result['choice_vs_best'][b]:.3f}x its tokens/s)"
-            for b, k in result["best_measured"].items()))
+    lines.append(f"chosen k (*, {'the measured best' if result['choice_from'] == 'measured' else 'from the model'}): "
+                 + ", ".join(f"b={b}: {k}" for b, k in result["choice"].items()))
+    if "model_vs_best" in result:
+        lines.append("the model's k (+): " + ", ".join(
+            f"b={b}: {k} ({result['model_vs_best'][b]:.3f}x the best k's tokens/s)"
+            for b, k in result["model_choice"].items()))
     return lines
 
 

@@ -25,7 +25,7 @@ def test_k_table_prints_the_table_and_the_argmax_of_the_prediction(toy_target, t
     proc = run_eval(toy_target, draft, "--ks", "0,2", "--batch-sizes", "4,8", "--max-tokens", "32", "--repeats", "1",
                     "--temperature", "1.0")
     assert proc.returncode == 0, proc.stderr[-6000:]
-    assert "chosen k (*, from the prediction)" in proc.stderr  # the table for a person, without --json
+    assert "chosen k (*, the measured best)" in proc.stderr  # the table for a person, without --json
     result = last_json(proc)
     print(json.dumps(result))
     rows = {(r["k"], r["batch_size"]): r for r in result["table"]}
@@ -36,13 +36,15 @@ def test_k_table_prints_the_table_and_the_argmax_of_the_prediction(toy_target, t
     assert rows[(0, 4)]["acceptance_length"] == 1.0 and 1.0 <= rows[(2, 8)]["acceptance_length"] <= 3.0
     pos = result["per_position_acceptance"]
     assert len(pos) == 2 and rows[(2, 4)]["acceptance_length_predicted"] == pytest.approx(1.0 + sum(pos), abs=1e-3)
-    # the choice is the argmax of the predicted tokens/s, per batch size
-    assert set(result["choice"]) == {"4", "8"}
+    # every k measured: the choice is the argmax of the measured tokens/s per batch size, the
+    # model's argmax of the predicted ones beside it
+    assert set(result["choice"]) == {"4", "8"} and result["choice_from"] == "measured"
     for b in (4, 8):
-        assert result["choice"][str(b)] == max((0, 2), key=lambda k: (rows[(k, b)]["tokens_per_s_predicted"], -k))
+        assert result["choice"][str(b)] == max((0, 2), key=lambda k: (rows[(k, b)]["tokens_per_s"], -k))
+        assert result["model_choice"][str(b)] == max((0, 2), key=lambda k: (rows[(k, b)]["tokens_per_s_predicted"], -k))
     # every k here is a fitted one: the step cost is exact where measured, so the prediction
     # differs from the measurement only by the acceptance (pooled over batch sizes vs this cell's)
     for (k, b), r in rows.items():
         ratio = r["tokens_per_s_predicted"] / r["tokens_per_s"]
         assert ratio == pytest.approx(r["acceptance_length_predicted"] / r["acceptance_length"], rel=2e-3), r
-    assert set(result["best_measured"]) == {"4", "8"} and all(0 < v <= 1.0 for v in result["choice_vs_best"].values())
+    assert result["best_measured"] == result["choice"] and all(0 < v <= 1.0 for v in result["model_vs_best"].values())
