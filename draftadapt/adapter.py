@@ -42,8 +42,9 @@ from draftadapt.data.replay import ReplayBuffer, ReplayItem
 from draftadapt.data.sequences import Sequence as TokenSeq
 from draftadapt.data.store import DraftStore
 from draftadapt.drafts.formats import check_draft_for_target, detect_format, read_hf_config
-from draftadapt.drafts.methods import METHODS, DraftMethod, check_serves, method_for
+from draftadapt.drafts.spec import METHODS, check_serves
 from draftadapt.publish import EngineSwaps, Publisher
+from draftadapt.train.methods import DraftMethod, method_for
 from draftadapt.train.trainer import DraftTrainer, TrainConfig, score_draft
 
 log = logging.getLogger("draftadapt.adapter")

@@ -173,7 +173,7 @@ def _dispatch(args) -> int:
         return build_cli(out=args.out, arch=args.arch, seed=args.seed, steps=args.steps, mtp=args.mtp,
                          mtp_weight=args.mtp_weight)
     if args.command == "draft":
-        from draftadapt.drafts.init import init_cli
+        from draftadapt.init import init_cli
 
         return init_cli(
             target=args.target, method=args.method, out=args.out, fmt=args.format,

@@ -34,7 +34,6 @@ import torch
 
 from draftadapt.config import ConfigError, load_config
 from draftadapt.drafts.formats import DraftFormatError
-from draftadapt.drafts.methods import method_of_dir
 from draftadapt.metrics.acceptance import AcceptanceStats
 from draftadapt.metrics.kcost import (
     acceptance_length_at,
@@ -46,6 +45,7 @@ from draftadapt.metrics.kcost import (
     step_seconds,
 )
 from draftadapt.progress import progress
+from draftadapt.train.methods import method_of_dir
 
 GREEDY_EPS = 1e-4  # temperature 0 is greedy: capture at a tiny temperature (one-hot target)
 
@@ -131,7 +131,7 @@ def simulate_on_rollouts(target: Path, draft: Path, method: str, rollouts, k: in
 
     from draftadapt.capture.hidden import iter_captured
     from draftadapt.data.sequences import Sequence, collate
-    from draftadapt.drafts.methods import method_for
+    from draftadapt.train.methods import method_for
     from draftadapt.train.trainer import score_draft
 
     if threads:

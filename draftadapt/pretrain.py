@@ -92,7 +92,7 @@ class PretrainConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def validate(self) -> None:
-        from draftadapt.drafts.methods import METHODS
+        from draftadapt.drafts.spec import METHODS
 
         if self.method not in METHODS:
             raise ConfigError(f"method {self.method!r}: use one of {', '.join(METHODS)}")
@@ -228,8 +228,8 @@ def pretrain(cfg: PretrainConfig) -> dict:
 
     from draftadapt.capture.store import CaptureStore
     from draftadapt.data.sequences import batch_order, collate, epoch_plan, load_sequences
-    from draftadapt.drafts.methods import method_for
     from draftadapt.metrics.logger import make_logger
+    from draftadapt.train.methods import method_for
     from draftadapt.train.trainer import DraftTrainer, acceptance_metrics, make_accelerator
 
     t_start = time.perf_counter()
@@ -394,10 +394,10 @@ def prepare_toy_world(out: str | Path, toy: str | Path | None, draft: str | Path
     toy has one MTP layer (trained with it); the draft is that layer as the build left it with
     ``own_draft``, else a fresh MTP layer pretrained like the Eagle-3 head, on the toy's own
     samples (docs/design.md, "MTP")."""
-    from draftadapt.drafts.init import init_draft
-    from draftadapt.drafts.methods import method_for
+    from draftadapt.drafts.spec import spec_for
+    from draftadapt.init import init_draft
 
-    in_target = method_for(method).in_target
+    in_target = spec_for(method).in_target
     if own_draft and not in_target:
         raise ConfigError(f"method={method}: the target has no {method} draft of its own to start from; "
                           "pretrain one (the default) or pass draft=DIR")

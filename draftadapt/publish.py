@@ -19,8 +19,8 @@ from torch import nn
 
 from draftadapt.data.store import DraftStore, DraftVersion
 from draftadapt.drafts.formats import DraftFormatError, identity_mismatch, model_dtype, target_fingerprint
-from draftadapt.drafts.methods import DraftMethod
 from draftadapt.fileio import atomic_path
+from draftadapt.train.methods import DraftMethod
 from draftadapt.train.trainer import DraftTrainer
 
 log = logging.getLogger("draftadapt.adapter")

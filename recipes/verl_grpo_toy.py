@@ -29,8 +29,8 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from draftadapt.toy import PRETRAIN_RECIPE, task
 from draftadapt.integrations.verl import POLICY_TAP
+from draftadapt.toy import PRETRAIN_RECIPE, task
 from draftadapt.toy.grpo import pretrain_overrides, toy_adapter
 
 # the chat template verl applies to each prompt: the toy prompt as it is (the toy target was
@@ -120,9 +120,9 @@ def verl_env(cfg: VerlToyConfig) -> dict[str, str]:
 
 def verl_overrides(cfg: VerlToyConfig, paths: dict[str, Path], out: Path, arm: Path) -> list[str]:
     batch = cfg.prompts_per_step * cfg.group_size
-    from draftadapt.drafts.methods import method_for
+    from draftadapt.drafts.spec import spec_for
 
-    spec = json.dumps(method_for("eagle3").speculative_config(paths["draft"], cfg.k, 32 + cfg.max_tokens))
+    spec = json.dumps(spec_for("eagle3").speculative_config(paths["draft"], cfg.k, 32 + cfg.max_tokens))
     if cfg.adapt:
         from draftadapt.config import save_config
 

@@ -28,16 +28,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from draftadapt.drafts.eagle3 import LAYER_FIELDS, Eagle3Config, Eagle3Head
+from draftadapt.drafts.spec import DraftFormatError  # defined torch-free; callers keep formats.DraftFormatError
 from draftadapt.drafts.vocab import check_vocab_map
 from draftadapt.fileio import atomic_path, atomic_write_json, bytes_sha256, file_sha256, fsync_dir
 
 META_FILE = "draftadapt.json"
 WEIGHTS_FILE = "model.safetensors"
 EAGLE3_ARCH = "LlamaForCausalLMEagle3"
-
-
-class DraftFormatError(ValueError):
-    """A draft directory that cannot serve the given target; the message says why and what to do."""
 
 
 # --------------------------------------------------------------------------- target identity

@@ -33,8 +33,8 @@ from draftadapt.drafts.formats import (
     model_dtype,
     target_fingerprint,
 )
-from draftadapt.drafts.methods import check_serves, method_for
 from draftadapt.drafts.mtp import PREFIX as MTP_PREFIX
+from draftadapt.drafts.spec import check_serves, spec_for
 from draftadapt.engine.cpu_fix import guard_llvmlite_lib
 from draftadapt.metrics.acceptance import AcceptanceStats
 
@@ -195,7 +195,7 @@ class RolloutEngine:
         if method is None and draft is not None:
             raise ValueError(f"a draft ({draft}) needs a method; pass method='eagle3', 'draft_model' or 'mtp'")
         model_free = draft is None and method in MODEL_FREE_METHODS
-        spec_method = None if method is None or model_free else method_for(method)
+        spec_method = None if method is None or model_free else spec_for(method)
         speculate = draft is not None or (spec_method is not None and spec_method.in_target)
         self.method = method if speculate or model_free else None
         self.k = num_speculative_tokens if speculate or model_free else 0

@@ -34,13 +34,13 @@ from draftadapt.boundary import StepBoundary
 from draftadapt.config import ConfigError, load_config, pass_down, save_config
 from draftadapt.data.sequences import Sequence, collate
 from draftadapt.drafts.formats import META_FILE
-from draftadapt.drafts.methods import method_for
+from draftadapt.drafts.spec import spec_for
 from draftadapt.engine.remote import EngineProcess
 from draftadapt.engine.rollout import DraftSwapError, RolloutEngine
 from draftadapt.metrics.logger import make_logger
 from draftadapt.online_k import OnlineK, OnlineKConfig, schedule_text
-from draftadapt.train.trainer import torch_threads
 from draftadapt.toy import PRETRAIN_RECIPE, task
+from draftadapt.train.trainer import torch_threads
 
 
 @dataclass
@@ -206,7 +206,7 @@ class DemoConfig:
             raise ConfigError(f"k_compare_repeats={self.k_compare_repeats}: give at least 1 round")
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs={self.max_num_seqs}: the engines need room for at least 1 sequence")
-        if self.initial_draft == "own" and not method_for(self.method).in_target:
+        if self.initial_draft == "own" and not spec_for(self.method).in_target:
             raise ConfigError(f"initial_draft=own: method={self.method} has no draft inside the target; use "
                               "initial_draft=pretrain, or method=mtp on an MTP toy")
         if self.engines < 1:

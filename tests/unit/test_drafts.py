@@ -13,7 +13,7 @@ from draftadapt.drafts.formats import (
     load_eagle3,
     target_fingerprint,
 )
-from draftadapt.drafts.init import init_draft
+from draftadapt.init import init_draft
 from draftadapt.toy.model import ToyModelConfig, build_model
 from draftadapt.toy.tokenizer import build_tokenizer
 
