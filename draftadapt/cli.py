@@ -181,12 +181,14 @@ def _dispatch(args) -> int:
         )
     if args.command == "pretrain":
         from draftadapt.pretrain import pretrain_cli
+        from draftadapt.toy.world import TOY  # the command is above toy/: it hands the toy world down
 
-        return pretrain_cli(args.recipe, args.overrides)
+        return pretrain_cli(args.recipe, args.overrides, toy=TOY)
     if args.command == "eval":
         from draftadapt.evaluate import eval_cli
+        from draftadapt.toy.world import TOY
 
-        return eval_cli(field_overrides(args, EVAL_FLAGS), json_only=args.json)
+        return eval_cli(field_overrides(args, EVAL_FLAGS), json_only=args.json, toy=TOY)
     if args.command == "sidecar":
         from draftadapt.sidecar import sidecar_cli
 

@@ -76,7 +76,7 @@ class VerlToyConfig:
 
 def prepare(cfg: VerlToyConfig, out: Path) -> dict[str, Path]:
     """The toy world, verl's copy of the policy (with a chat template), data and reward files."""
-    from draftadapt.pretrain import prepare_toy_world
+    from draftadapt.toy.world import prepare_toy_world
 
     toy, draft = prepare_toy_world(out, cfg.toy, cfg.draft, cfg.seed, PRETRAIN_RECIPE,
                                    pretrain_overrides(PRETRAIN_RECIPE, "eagle3", cfg.k, cfg.pretrain_prompts),

@@ -343,7 +343,7 @@ def demo_adapter(cfg: DemoConfig) -> AdapterConfig:
 
 def prepare_world(cfg, out: Path) -> tuple[Path, Path]:
     """The toy target and the draft RL starts from (built once; reused from OUT on a rerun)."""
-    from draftadapt.pretrain import prepare_toy_world
+    from draftadapt.toy.world import prepare_toy_world
 
     return prepare_toy_world(out, cfg.toy, cfg.draft, cfg.seed, cfg.pretrain_recipe, demo_pretrain_overrides(cfg), tag="demo",
                              method=cfg.method, own_draft=cfg.initial_draft == "own")
@@ -865,6 +865,7 @@ def measure_fresh(cfg: DemoConfig, out: Path, spec: RolloutEngine, prompts: list
     """Pretrain a draft from scratch on the final policy (the demo's recipe), swap it into the
     running engine (which serves the final policy) and measure it on the same prompts."""
     from draftadapt.pretrain import PretrainConfig, pretrain
+    from draftadapt.toy.world import TOY
 
     fresh_dir = out / "draft_fresh_final"
     print(f"[demo] pretraining a fresh draft on the final policy into {fresh_dir} (reference)", flush=True)
@@ -877,7 +878,7 @@ def measure_fresh(cfg: DemoConfig, out: Path, spec: RolloutEngine, prompts: list
         pretrain(load_config(PretrainConfig, cfg.pretrain_recipe, [
             f"target={out / 'final_policy'}", f"out={fresh_dir}", "build_toy=false",
             f"max_minutes={cfg.fresh_max_minutes}", f"method={cfg.method}",
-            *demo_pretrain_overrides(cfg)]))
+            *demo_pretrain_overrides(cfg)]), TOY)
     seconds = time.perf_counter() - t0
     try:
         m = measure_draft(spec, fresh_dir, prompts, cfg)
