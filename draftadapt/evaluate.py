@@ -134,7 +134,7 @@ def simulate_on_rollouts(target: Path, draft: Path, method: str, rollouts, k: in
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from draftadapt.capture.hidden import iter_captured
-    from draftadapt.data.sequences import Sequence, collate
+    from draftadapt.data.sequences import as_sequences, collate
     from draftadapt.train.methods import method_for
     from draftadapt.train.trainer import score_draft
 
@@ -146,7 +146,7 @@ def simulate_on_rollouts(target: Path, draft: Path, method: str, rollouts, k: in
     m = method_for(method)
     model = m.load(draft, target).eval()
     capture = m.target_capture(target_model, model, max(temperature, GREEDY_EPS))
-    seqs = [Sequence(list(r.prompt_token_ids), list(r.token_ids)) for r in rollouts]
+    seqs = as_sequences(rollouts)
     batches = (collate(seqs[i : i + batch_size], pad_id) for i in range(0, len(seqs), batch_size))
     return score_draft(model, iter_captured(capture, batches), k)
 

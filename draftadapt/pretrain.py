@@ -185,10 +185,10 @@ def heldout_prompts(target_dir: str | Path, source: str, num: int, seed: int, fi
 def regenerate(engine, prompt_ids: list[list[int]], temperature: float, max_tokens: int,
                seed: int | None = None):
     """The target's own responses (``engine``: a RolloutEngine; progress bar), one Sequence per prompt."""
-    from draftadapt.data.sequences import Sequence
+    from draftadapt.data.sequences import as_sequences
 
     result = engine.generate(prompt_ids, temperature=temperature, max_tokens=max_tokens, seed=seed, progress=True)
-    return [Sequence(list(r.prompt_token_ids), list(r.token_ids)) for r in result.rollouts]
+    return as_sequences(result.rollouts)
 
 
 def _regenerate_data(cfg: PretrainConfig, target: Path, data_dir: Path, toy: ToyWorld | None = None) -> None:

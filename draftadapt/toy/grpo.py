@@ -32,7 +32,7 @@ import torch
 from draftadapt.adapter import AdapterConfig, DraftAdapter, ScheduleConfig, ValidateConfig
 from draftadapt.boundary import StepBoundary
 from draftadapt.config import ConfigError, load_config, pass_down, save_config
-from draftadapt.data.sequences import Sequence, collate
+from draftadapt.data.sequences import as_sequences, collate
 from draftadapt.drafts.formats import META_FILE
 from draftadapt.drafts.spec import spec_for
 from draftadapt.engine.remote import EngineProcess
@@ -266,7 +266,7 @@ def grpo_update(policy, reference, opt, problems, rollouts, cfg: GRPOConfig, pad
         rewards.append(rew)
     R = torch.tensor(rewards).view(-1, cfg.group_size)  # [P, G]
     adv = ((R - R.mean(1, keepdim=True)) / (R.std(1, keepdim=True) + 1e-4)).view(-1)
-    seqs = [Sequence(list(r.prompt_token_ids), list(r.token_ids)) for r in rollouts]
+    seqs = as_sequences(rollouts)
     n = len(seqs)
     n_tokens = sum(len(s.ids) - len(s.prompt_ids) for s in seqs)  # response tokens, for the KL mean
     policy.train()
