@@ -28,8 +28,8 @@ from draftadapt.drafts.formats import (
     META_FILE,
     WEIGHTS_FILE,
     check_draft_for_target,
+    check_identity,
     dtype_name,
-    identity_mismatch,
     model_dtype,
     target_fingerprint,
 )
@@ -420,14 +420,8 @@ class RolloutEngine:
                 f"{meta_path} does not say which target it was built for; not swapped. Re-export it "
                 f"for {self.target} (`draftadapt draft init --target {self.target} --from DRAFT`)"
             )
-        served = self._target_fp
-        differ = identity_mismatch(recorded, served, require=True)
-        if differ:
-            detail = ", ".join(f"{k}: draft {recorded.get(k)!r} vs serving {served.get(k)!r}" for k in differ)
-            raise DraftSwapError(
-                f"{draft_dir} was built for another target ({detail}); not swapped. Train or "
-                f"re-export a draft for {self.target}"
-            )
+        check_identity(recorded, self._target_fp, f"{draft_dir} was built",
+                       f"not swapped. Train or re-export a draft for {self.target}", require=True, error=DraftSwapError)
         version, lineage = meta.get("version"), meta.get("lineage")
         newest = self.served_version(lineage) if lineage is not None else None
         if not rollback and isinstance(version, int) and newest is not None and version < newest:
