@@ -39,11 +39,12 @@ from draftadapt.capture.hidden import CapturedBatch, HandOver
 from draftadapt.capture.policy import PolicyCopy, Targets
 from draftadapt.config import ConfigError
 from draftadapt.data.replay import ReplayBuffer, ReplayItem
-from draftadapt.data.sequences import Sequence as TokenSeq
+from draftadapt.data.sequences import as_sequences
 from draftadapt.data.store import DraftStore
 from draftadapt.drafts.formats import check_draft_for_target, detect_format, read_hf_config
-from draftadapt.drafts.methods import METHODS, DraftMethod, check_serves, method_for
+from draftadapt.drafts.spec import METHODS, check_serves
 from draftadapt.publish import EngineSwaps, Publisher
+from draftadapt.train.methods import DraftMethod, method_for
 from draftadapt.train.trainer import DraftTrainer, TrainConfig, score_draft
 
 log = logging.getLogger("draftadapt.adapter")
@@ -152,25 +153,6 @@ def group_by_length(batches: list[list[ReplayItem]], rng: random.Random) -> list
         lo += len(b)
     order = rng.sample(range(len(out)), len(out))
     return [out[i] for i in order]
-
-
-def _as_token_seqs(rollouts: Iterable[Any]) -> list[TokenSeq]:
-    """Rollouts as (prompt ids, response ids), in order: engine Rollouts, spool records, pairs or dicts."""
-    out = []
-    for r in rollouts:
-        if hasattr(r, "prompt_token_ids"):
-            out.append(TokenSeq(list(r.prompt_token_ids), list(r.token_ids)))
-        elif hasattr(r, "prompt_ids"):
-            out.append(TokenSeq(list(r.prompt_ids), list(r.response_ids)))
-        elif isinstance(r, dict):
-            out.append(TokenSeq(list(r["prompt_ids"]), list(r["response_ids"])))
-        else:
-            p, c = r
-            out.append(TokenSeq(list(p), list(c)))
-    for s in out:
-        if s.response_ids and not s.prompt_ids:
-            raise ValueError("a rollout has no prompt tokens; pass the prompt ids the engine was given")
-    return out
 
 
 def _load_draft(draft_dir: Path, target_dir: Path, method: DraftMethod):
@@ -336,7 +318,7 @@ class DraftAdapter:
         vocabulary, more tokens than its max positions, hidden states of the wrong shape or non-finite.
         """
         self._wait_round()
-        seqs = _as_token_seqs(rollouts)
+        seqs = as_sequences(rollouts)
         given: list[dict[str, torch.Tensor] | None] = [None] * len(seqs)
         if handover is not None:
             given = list(handover.tensors(len(seqs)))

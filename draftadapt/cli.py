@@ -173,7 +173,7 @@ def _dispatch(args) -> int:
         return build_cli(out=args.out, arch=args.arch, seed=args.seed, steps=args.steps, mtp=args.mtp,
                          mtp_weight=args.mtp_weight)
     if args.command == "draft":
-        from draftadapt.drafts.init import init_cli
+        from draftadapt.init import init_cli
 
         return init_cli(
             target=args.target, method=args.method, out=args.out, fmt=args.format,
@@ -181,12 +181,14 @@ def _dispatch(args) -> int:
         )
     if args.command == "pretrain":
         from draftadapt.pretrain import pretrain_cli
+        from draftadapt.toy.world import TOY  # the command is above toy/: it hands the toy world down
 
-        return pretrain_cli(args.recipe, args.overrides)
+        return pretrain_cli(args.recipe, args.overrides, toy=TOY)
     if args.command == "eval":
         from draftadapt.evaluate import eval_cli
+        from draftadapt.toy.world import TOY
 
-        return eval_cli(field_overrides(args, EVAL_FLAGS), json_only=args.json)
+        return eval_cli(field_overrides(args, EVAL_FLAGS), json_only=args.json, toy=TOY)
     if args.command == "sidecar":
         from draftadapt.sidecar import sidecar_cli
 

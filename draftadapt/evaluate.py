@@ -4,10 +4,11 @@
     draftadapt eval --target DIR --draft DIR --ks 0,1,2,3,4,5 --batch-sizes 8,32,128 [--json]
 
 Starts the engine with the draft, generates one response per held-out prompt (the target's
-``heldout.jsonl``; the toy's prompts otherwise) and reads vLLM's speculative-decoding counters;
-starts it again without the draft for the plain tokens/s; then captures the target on the
-responses vLLM produced (they are target samples: speculative decoding is lossless) and
-simulates the acceptance of the draft on them (``metrics.acceptance``). Prints one JSON object:
+``heldout.jsonl``; otherwise the toy world's prompts, which the ``draftadapt`` command hands in)
+and reads vLLM's speculative-decoding counters; starts it again without the draft for the plain
+tokens/s; then captures the target on the responses vLLM produced (they are target samples:
+speculative decoding is lossless) and simulates the acceptance of the draft on them
+(``metrics.acceptance``). Prints one JSON object:
 ``acceptance_length_measured``, ``acceptance_length_simulated``, ``per_position_acceptance``,
 ``per_position_acceptance_simulated``, ``tokens_per_s_spec``, ``tokens_per_s_plain``, ``speedup``
 and the time per engine step with and without speculation.
@@ -35,7 +36,6 @@ import torch
 
 from draftadapt.config import ConfigError, load_config
 from draftadapt.drafts.formats import DraftFormatError
-from draftadapt.drafts.methods import method_of_dir
 from draftadapt.metrics.acceptance import AcceptanceStats
 from draftadapt.metrics.kcost import (
     acceptance_length_at,
@@ -46,7 +46,9 @@ from draftadapt.metrics.kcost import (
     step_cost,
     step_seconds,
 )
+from draftadapt.pretrain import ToyWorld
 from draftadapt.progress import progress
+from draftadapt.train.methods import method_of_dir
 
 GREEDY_EPS = 1e-4  # temperature 0 is greedy: capture at a tiny temperature (one-hot target)
 
@@ -87,19 +89,21 @@ class EvaluateConfig:
                               f"(got {self.k}, {self.temperature}, {self.num_prompts}, {self.max_tokens})")
 
 
-def eval_prompts(target: str | Path, num: int, seed: int) -> list[str]:
+def eval_prompts(target: str | Path, num: int, seed: int, toy: ToyWorld | None = None) -> list[str]:
+    """The first ``num`` prompts of the target's ``heldout.jsonl`` (one JSON object a line, with a
+    ``prompt``), or without one ``num`` prompts of the ``toy`` world drawn with another seed."""
     held = Path(target) / "heldout.jsonl"
     if held.is_file():
-        from draftadapt.toy.task import load_heldout
-
-        rows = load_heldout(held)
+        with open(held) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
         if len(rows) < num:
             print(f"note: {held} has only {len(rows)} prompts; evaluating on those", file=sys.stderr)
         return [r["prompt"] for r in rows[:num]]
-    from draftadapt.toy.task import sample_problems
-
+    if toy is None:
+        raise FileNotFoundError(f"{held} does not exist; pass the prompts, or the toy world to draw them from "
+                                "(`draftadapt eval` does)")
     print(f"note: {target} has no heldout.jsonl; evaluating on toy prompts (seed {seed})", file=sys.stderr)
-    return [p["prompt"] for p in sample_problems(num, seed + 7_777_777)]
+    return toy.prompts(num, seed + 7_777_777)
 
 
 def _run_engine(target: Path, draft: Path | None, method: str | None, k: int, batches: list[list[str]],
@@ -131,8 +135,8 @@ def simulate_on_rollouts(target: Path, draft: Path, method: str, rollouts, k: in
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from draftadapt.capture.hidden import iter_captured
-    from draftadapt.data.sequences import Sequence, collate
-    from draftadapt.drafts.methods import method_for
+    from draftadapt.data.sequences import as_sequences, collate
+    from draftadapt.train.methods import method_for
     from draftadapt.train.trainer import score_draft
 
     if threads:
@@ -143,7 +147,7 @@ def simulate_on_rollouts(target: Path, draft: Path, method: str, rollouts, k: in
     m = method_for(method)
     model = m.load(draft, target).eval()
     capture = m.target_capture(target_model, model, max(temperature, GREEDY_EPS))
-    seqs = [Sequence(list(r.prompt_token_ids), list(r.token_ids)) for r in rollouts]
+    seqs = as_sequences(rollouts)
     batches = (collate(seqs[i : i + batch_size], pad_id) for i in range(0, len(seqs), batch_size))
     return score_draft(model, iter_captured(capture, batches), k)
 
@@ -156,11 +160,11 @@ def _sum_stats(stats: list[AcceptanceStats]) -> AcceptanceStats:
 
 
 def evaluate(cfg: EvaluateConfig, repeats: int = 1, threads: int | None = None,
-             prompts: list[str] | None = None) -> dict[str, Any]:
+             prompts: list[str] | None = None, toy: ToyWorld | None = None) -> dict[str, Any]:
     target, draft = Path(cfg.target), Path(cfg.draft)
     k, temperature, num_prompts, max_tokens, seed = cfg.k, cfg.temperature, cfg.num_prompts, cfg.max_tokens, cfg.seed
     method = method_of_dir(draft).name
-    prompts = prompts if prompts is not None else eval_prompts(target, num_prompts, seed)
+    prompts = prompts if prompts is not None else eval_prompts(target, num_prompts, seed, toy)
     spec_runs = _run_engine(target, draft, method, k, [prompts], temperature, max_tokens, seed, repeats, threads)[0]
     plain_runs = _run_engine(target, None, None, k, [prompts], temperature, max_tokens, seed, repeats, threads)[0]
     spec = _sum_stats([r.spec for r in spec_runs])
@@ -202,7 +206,7 @@ def evaluate(cfg: EvaluateConfig, repeats: int = 1, threads: int | None = None,
     }
 
 
-def k_table(cfg: EvaluateConfig, threads: int | None = None) -> dict[str, Any]:
+def k_table(cfg: EvaluateConfig, threads: int | None = None, toy: ToyWorld | None = None) -> dict[str, Any]:
     """tokens/s and acceptance length for each k in ``cfg.ks`` at each batch size, measured, and
     the same predicted by the step-cost model fitted on three of the engines (``fit_ks``). The
     choice per batch size is the measured best where every k was measured (``measure="all"``),
@@ -212,7 +216,7 @@ def k_table(cfg: EvaluateConfig, threads: int | None = None) -> dict[str, Any]:
     target, draft = Path(cfg.target), Path(cfg.draft)
     method = method_of_dir(draft).name
     ks, bss = sorted(set(cfg.ks)), sorted(set(cfg.batch_sizes))
-    pool = eval_prompts(target, max(bss), cfg.seed)
+    pool = eval_prompts(target, max(bss), cfg.seed, toy)
     prompts = [pool[i % len(pool)] for i in range(max(bss))]
     fitted = fit_ks(ks)
     run_ks = ks if cfg.measure == "all" else fitted
@@ -299,12 +303,13 @@ def k_table_lines(result: dict[str, Any]) -> list[str]:
     return lines
 
 
-def eval_cli(overrides: list[str], json_only: bool) -> int:
-    """``draftadapt eval``: ``overrides`` are EvaluateConfig's ``key=value`` (from the flags)."""
+def eval_cli(overrides: list[str], json_only: bool, toy: ToyWorld | None = None) -> int:
+    """``draftadapt eval``: ``overrides`` are EvaluateConfig's ``key=value`` (from the flags);
+    ``toy``: the toy world, for a target without ``heldout.jsonl``."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     cfg = load_config(EvaluateConfig, None, overrides)
     try:
-        result = k_table(cfg) if cfg.ks else evaluate(cfg)
+        result = k_table(cfg, toy=toy) if cfg.ks else evaluate(cfg, toy=toy)
     except (DraftFormatError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -14,6 +14,10 @@ last checkpoint in ``out/pretrain/checkpoints``. Data parallel: ``accelerate lau
 --num_processes 2 -m draftadapt.cli pretrain RECIPE`` (on a CPU-only machine that is gloo;
 ``--cpu`` would run one process); DeepSpeed ZeRO: add ``train.zero_stage=2`` and, on CPU,
 ``DS_ACCELERATOR=cpu``. Rank 0 regenerates the data while the others wait.
+
+The toy world (``data.source=toy``, ``build_toy``) comes in as :class:`ToyWorld`
+(``draftadapt.toy.world.TOY``, which the ``draftadapt`` command passes): nothing outside toy/
+imports toy/ (docs/design.md, "Layout").
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
@@ -34,6 +39,23 @@ from draftadapt.progress import progress
 from draftadapt.train.trainer import TrainConfig
 
 RUN_DIR = "pretrain"  # inside ``out``: data, checkpoints, logs; vLLM only reads out's top level
+TOY_SOURCE = "toy"  # data.source that draws the toy world's prompts
+
+
+@dataclass(frozen=True)
+class ToyWorld:
+    """What pretraining and eval draw from the toy world (``draftadapt.toy.world.TOY``), handed
+    in from above: toy/ sits above this module and nothing outside toy/ imports it."""
+
+    prompts: Callable[[int, int], list[str]]  # (num, seed) -> toy prompts, the same list for the same seed
+    build: Callable[[str], Any]  # builds the toy target into a directory (build_toy)
+
+
+def _need_toy(toy: ToyWorld | None, what: str) -> ToyWorld:
+    if toy is None:
+        raise ConfigError(f"{what} needs the toy world, which was not passed in; run `draftadapt pretrain`, or "
+                          "call pretrain(cfg, toy=draftadapt.toy.world.TOY)")
+    return toy
 
 
 @dataclass
@@ -92,7 +114,7 @@ class PretrainConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def validate(self) -> None:
-        from draftadapt.drafts.methods import METHODS
+        from draftadapt.drafts.spec import METHODS
 
         if self.method not in METHODS:
             raise ConfigError(f"method {self.method!r}: use one of {', '.join(METHODS)}")
@@ -112,29 +134,27 @@ class PretrainConfig:
 
 # ---------------------------------------------------------------------------------------------- setup
 
-def _ensure_target(cfg: PretrainConfig, is_main: bool) -> Path:
+def _ensure_target(cfg: PretrainConfig, is_main: bool, toy: ToyWorld | None) -> Path:
     target = Path(cfg.target)
     if (target / "config.json").is_file():
         return target
     if not cfg.build_toy:
         raise ConfigError(f"target {target} is not a model directory; build the toy with "
                           f"`draftadapt toy build --out {target}` or pass build_toy=true")
+    build = _need_toy(toy, f"build_toy=true (target {target} is missing)").build
     if is_main:
-        from draftadapt.toy.build import build
-
         print(f"building the toy target in {target} ...", file=sys.stderr)
         build(str(target))
     return target
 
 
-TOY_SOURCE = "toy"
-
-
-def load_prompts(source: str, num: int | None = None, seed: int = 0, field: str = "prompt"):
+def load_prompts(source: str, num: int | None = None, seed: int = 0, field: str = "prompt",
+                 toy: ToyWorld | None = None):
     """A ``datasets.Dataset`` with a ``prompt`` column.
 
-    source: "toy" (``num`` fresh toy problems drawn with ``seed``) or a local .jsonl/.json/.parquet
-    file whose ``field`` column holds prompt text (shuffled with ``seed``, first ``num`` kept).
+    source: "toy" (``num`` fresh problems of the ``toy`` world drawn with ``seed``) or a local
+    .jsonl/.json/.parquet file whose ``field`` column holds prompt text (shuffled with ``seed``,
+    first ``num`` kept).
     """
     from draftadapt.data.prompts import load_prompt_file
 
@@ -142,15 +162,14 @@ def load_prompts(source: str, num: int | None = None, seed: int = 0, field: str 
         return load_prompt_file(source, num, seed, field)
     import datasets
 
-    from draftadapt.toy.task import sample_problems
-
+    prompts = _need_toy(toy, "data.source=toy").prompts
     if not num:
         raise ValueError("the toy prompt source needs a number of prompts (data.num_prompts > 0)")
-    probs = sample_problems(num, seed)
-    return datasets.Dataset.from_dict({"prompt": [p["prompt"] for p in probs]})
+    return datasets.Dataset.from_dict({"prompt": prompts(num, seed)})
 
 
-def heldout_prompts(target_dir: str | Path, source: str, num: int, seed: int, field: str = "prompt") -> list[str]:
+def heldout_prompts(target_dir: str | Path, source: str, num: int, seed: int, field: str = "prompt",
+                    toy: ToyWorld | None = None) -> list[str]:
     """Held-out prompts: the target's ``heldout.jsonl`` if it has one (the toy does), else a
     disjoint draw from ``source`` (toy: another seed; a file: the tail after shuffling)."""
     held = Path(target_dir) / "heldout.jsonl"
@@ -158,7 +177,7 @@ def heldout_prompts(target_dir: str | Path, source: str, num: int, seed: int, fi
         ds = load_prompts(str(held), None, seed=0, field="prompt")
         return list(ds["prompt"][:num])
     if source == TOY_SOURCE:
-        return list(load_prompts(TOY_SOURCE, num, seed + 7_777_777)["prompt"])
+        return list(load_prompts(TOY_SOURCE, num, seed + 7_777_777, toy=toy)["prompt"])
     ds = load_prompts(source, None, seed, field)
     return list(ds["prompt"][max(0, len(ds) - num):])
 
@@ -166,13 +185,13 @@ def heldout_prompts(target_dir: str | Path, source: str, num: int, seed: int, fi
 def regenerate(engine, prompt_ids: list[list[int]], temperature: float, max_tokens: int,
                seed: int | None = None):
     """The target's own responses (``engine``: a RolloutEngine; progress bar), one Sequence per prompt."""
-    from draftadapt.data.sequences import Sequence
+    from draftadapt.data.sequences import as_sequences
 
     result = engine.generate(prompt_ids, temperature=temperature, max_tokens=max_tokens, seed=seed, progress=True)
-    return [Sequence(list(r.prompt_token_ids), list(r.token_ids)) for r in result.rollouts]
+    return as_sequences(result.rollouts)
 
 
-def _regenerate_data(cfg: PretrainConfig, target: Path, data_dir: Path) -> None:
+def _regenerate_data(cfg: PretrainConfig, target: Path, data_dir: Path, toy: ToyWorld | None = None) -> None:
     """Prompts -> the target's own responses through vLLM; written once, reused on resume."""
     from transformers import AutoTokenizer
 
@@ -185,8 +204,8 @@ def _regenerate_data(cfg: PretrainConfig, target: Path, data_dir: Path) -> None:
         return
     tok = AutoTokenizer.from_pretrained(str(target))
     d = cfg.data
-    train_prompts = list(load_prompts(d.source, d.num_prompts, d.seed, d.prompt_field)["prompt"])
-    held = heldout_prompts(target, d.source, d.heldout_prompts, d.seed, d.prompt_field)
+    train_prompts = list(load_prompts(d.source, d.num_prompts, d.seed, d.prompt_field, toy)["prompt"])
+    held = heldout_prompts(target, d.source, d.heldout_prompts, d.seed, d.prompt_field, toy)
     g = cfg.generate
     engine = RolloutEngine(target, None, max_model_len=g.max_model_len, max_num_seqs=g.max_num_seqs,
                            kv_cache_gib=g.kv_cache_gib, seed=d.seed)
@@ -223,13 +242,14 @@ def _prune_checkpoints(ckpt_dir: Path, keep: int) -> None:
 
 # ---------------------------------------------------------------------------------------------- recipe
 
-def pretrain(cfg: PretrainConfig) -> dict:
+def pretrain(cfg: PretrainConfig, toy: ToyWorld | None = None) -> dict:
+    """``toy``: the toy world, for ``data.source=toy`` and ``build_toy`` (see :class:`ToyWorld`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from draftadapt.capture.store import CaptureStore
     from draftadapt.data.sequences import batch_order, collate, epoch_plan, load_sequences
-    from draftadapt.drafts.methods import method_for
     from draftadapt.metrics.logger import make_logger
+    from draftadapt.train.methods import method_for
     from draftadapt.train.trainer import DraftTrainer, acceptance_metrics, make_accelerator
 
     t_start = time.perf_counter()
@@ -240,11 +260,11 @@ def pretrain(cfg: PretrainConfig) -> dict:
     is_main, rank, world = accelerator.is_main_process, accelerator.process_index, accelerator.num_processes
 
     # -- set up: target, data (the target's own responses), draft, trainer
-    target = _ensure_target(cfg, is_main)
+    target = _ensure_target(cfg, is_main, toy)
     if is_main:
         run.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run / "config.yaml")
-        _regenerate_data(cfg, target, data_dir)
+        _regenerate_data(cfg, target, data_dir, toy)
     accelerator.wait_for_everyone()
     torch.set_num_threads(cfg.threads)  # vLLM lowered it for serving; the engine is gone now
     train_seqs = load_sequences(data_dir / "train.jsonl")
@@ -365,7 +385,7 @@ def pretrain(cfg: PretrainConfig) -> dict:
     return summary
 
 
-def pretrain_cli(recipe: str, overrides: list[str]) -> int:
+def pretrain_cli(recipe: str, overrides: list[str], toy: ToyWorld | None = None) -> int:
     try:
         cfg = load_config(PretrainConfig, recipe, overrides)
     except ConfigError as exc:
@@ -375,7 +395,7 @@ def pretrain_cli(recipe: str, overrides: list[str]) -> int:
     from draftadapt.drafts.formats import DraftFormatError
 
     try:
-        summary = pretrain(cfg)
+        summary = pretrain(cfg, toy)
     except (ConfigError, DraftFormatError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -385,38 +405,3 @@ def pretrain_cli(recipe: str, overrides: list[str]) -> int:
         print(json.dumps(summary), flush=True)
     return 0
 
-
-def prepare_toy_world(out: str | Path, toy: str | Path | None, draft: str | Path | None, seed: int,
-                      pretrain_recipe: str | Path, pretrain_overrides: list[str] | tuple[str, ...] = (),
-                      tag: str = "demo", method: str = "eagle3", own_draft: bool = False) -> tuple[Path, Path]:
-    """The toy target and an Eagle-3 draft pretrained on it, built into ``out`` unless given (and
-    reused from ``out`` on a rerun). Returns (toy target dir, draft dir). ``method="mtp"``: the
-    toy has one MTP layer (trained with it); the draft is that layer as the build left it with
-    ``own_draft``, else a fresh MTP layer pretrained like the Eagle-3 head, on the toy's own
-    samples (docs/design.md, "MTP")."""
-    from draftadapt.drafts.init import init_draft
-    from draftadapt.drafts.methods import method_for
-
-    in_target = method_for(method).in_target
-    if own_draft and not in_target:
-        raise ConfigError(f"method={method}: the target has no {method} draft of its own to start from; "
-                          "pretrain one (the default) or pass draft=DIR")
-    out = Path(out)
-    toy = Path(toy) if toy else out / "toy"
-    if not (toy / "heldout.jsonl").is_file():
-        from draftadapt.toy.build import build
-
-        print(f"[{tag}] building the toy target into {toy} (a few minutes, once)", flush=True)
-        kind = {"arch": "qwen2", "mtp": 1} if in_target else {}
-        print(json.dumps(build(str(toy), seed=seed, **kind)), flush=True)
-    draft = Path(draft) if draft else out / "draft0"
-    if (draft / "draftadapt.json").is_file():
-        return toy, draft  # given, or made by an earlier run into out
-    if own_draft:
-        print(f"[{tag}] the target's own {method} layers as the draft, into {draft}", flush=True)
-        init_draft(toy, method, draft)
-    else:
-        print(f"[{tag}] pretraining the {method} draft into {draft} (a few minutes, once)", flush=True)
-        pretrain(load_config(PretrainConfig, pretrain_recipe, [f"target={toy}", f"out={draft}", f"method={method}",
-                                                               *pretrain_overrides]))
-    return toy, draft

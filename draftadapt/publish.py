@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 from draftadapt.data.store import DraftStore, DraftVersion
-from draftadapt.drafts.formats import DraftFormatError, identity_mismatch, model_dtype, target_fingerprint
-from draftadapt.drafts.methods import DraftMethod
+from draftadapt.drafts.formats import check_identity, model_dtype, target_fingerprint
 from draftadapt.fileio import atomic_path
+from draftadapt.train.methods import DraftMethod
 from draftadapt.train.trainer import DraftTrainer
 
 log = logging.getLogger("draftadapt.adapter")
@@ -73,12 +73,9 @@ class Publisher:
         published draft (``load(path)`` reads it), with the trainer state saved beside it when that
         state belongs to that version. Returns what it continued from: "published" (the
         version's weights, fresh optimizer) or "checkpoint" (its weights and trainer state)."""
-        differ = identity_mismatch(latest.meta.get("target") or {}, target_fingerprint(self.policy_dir))
-        if differ:
-            raise DraftFormatError(
-                f"{self.store.out_dir} holds drafts built for another target ({', '.join(differ)} differ from "
-                f"{self.policy_dir}); give this run its own output directory"
-            )
+        check_identity(latest.meta.get("target"), target_fingerprint(self.policy_dir),
+                       f"{self.store.out_dir} holds drafts built",
+                       f"give this run (policy {self.policy_dir}) its own output directory")
         with torch.random.fork_rng(devices=[]):
             self.live = load(latest.path).eval()
         self.trainer.reset_to(self.live)

@@ -81,7 +81,7 @@ class TRLToyConfig:
 
 def prepare_world(cfg, out: Path) -> tuple[Path, Path]:
     """The toy target and a draft pretrained on it (built once; reused from OUT on a rerun)."""
-    from draftadapt.pretrain import prepare_toy_world
+    from draftadapt.toy.world import prepare_toy_world
 
     return prepare_toy_world(out, cfg.toy, cfg.draft, cfg.seed, cfg.pretrain_recipe, 
                              pretrain_overrides(cfg.pretrain_recipe, "eagle3", cfg.k, cfg.pretrain_prompts), tag="trl")

@@ -29,8 +29,8 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from draftadapt.toy import PRETRAIN_RECIPE, task
 from draftadapt.integrations.verl import POLICY_TAP
+from draftadapt.toy import PRETRAIN_RECIPE, task
 from draftadapt.toy.grpo import pretrain_overrides, toy_adapter
 
 # the chat template verl applies to each prompt: the toy prompt as it is (the toy target was
@@ -79,7 +79,7 @@ class VerlToyConfig:
 
 def prepare(cfg: VerlToyConfig, out: Path) -> dict[str, Path]:
     """The toy world, verl's copy of the policy (with a chat template), data and reward files."""
-    from draftadapt.pretrain import prepare_toy_world
+    from draftadapt.toy.world import prepare_toy_world
 
     toy, draft = prepare_toy_world(out, cfg.toy, cfg.draft, cfg.seed, PRETRAIN_RECIPE,
                                    pretrain_overrides(PRETRAIN_RECIPE, "eagle3", cfg.k, cfg.pretrain_prompts),
@@ -123,9 +123,9 @@ def verl_env(cfg: VerlToyConfig) -> dict[str, str]:
 
 def verl_overrides(cfg: VerlToyConfig, paths: dict[str, Path], out: Path, arm: Path) -> list[str]:
     batch = cfg.prompts_per_step * cfg.group_size
-    from draftadapt.drafts.methods import method_for
+    from draftadapt.drafts.spec import spec_for
 
-    spec = json.dumps(method_for("eagle3").speculative_config(paths["draft"], cfg.k, 32 + cfg.max_tokens))
+    spec = json.dumps(spec_for("eagle3").speculative_config(paths["draft"], cfg.k, 32 + cfg.max_tokens))
     if cfg.adapt:
         from draftadapt.config import save_config
 

@@ -37,7 +37,7 @@ def main() -> int:
     args = ap.parse_args()
 
     from draftadapt.drafts.formats import META_FILE
-    from draftadapt.drafts.init import init_draft
+    from draftadapt.init import init_draft
     from draftadapt.engine.rollout import RolloutEngine, median, percentile
     from draftadapt.toy.task import load_heldout
 

@@ -1,7 +1,7 @@
 """Prompt files, and the token statistics of the target's own responses.
 
 A draft must imitate the target's own outputs, not a dataset's: the prompts come from a
-``datasets.Dataset`` (here: a local jsonl / json / parquet file; the toy task generator is the
+``datasets.Dataset`` (here: a local jsonl / json / parquet file; the toy world's generator is the
 other source, chosen in ``draftadapt/pretrain.py``) and every response is sampled from the target
 at the temperature RL will sample at.
 """

@@ -12,7 +12,7 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 
@@ -30,6 +30,28 @@ class Sequence:
 
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.response_ids)
+
+
+def as_sequences(rollouts: Iterable[Any]) -> list[Sequence]:
+    """Rollouts as (prompt ids, response ids), in order: the one conversion from whatever an RL
+    run holds to what the trainer batches. Takes the engine's Rollouts (``prompt_token_ids``,
+    ``token_ids``), Sequences and spool records (``prompt_ids``, ``response_ids``), dicts with
+    those keys, or (prompt, response) pairs."""
+    out = []
+    for r in rollouts:
+        if hasattr(r, "prompt_token_ids"):
+            out.append(Sequence(list(r.prompt_token_ids), list(r.token_ids)))
+        elif hasattr(r, "prompt_ids"):
+            out.append(Sequence(list(r.prompt_ids), list(r.response_ids)))
+        elif isinstance(r, dict):
+            out.append(Sequence(list(r["prompt_ids"]), list(r["response_ids"])))
+        else:
+            p, c = r
+            out.append(Sequence(list(p), list(c)))
+    for s in out:
+        if s.response_ids and not s.prompt_ids:
+            raise ValueError("a rollout has no prompt tokens; pass the prompt ids the engine was given")
+    return out
 
 
 def save_sequences(path: str | Path, seqs: Iterable[Sequence]) -> Path:

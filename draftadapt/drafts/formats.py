@@ -28,16 +28,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from draftadapt.drafts.eagle3 import LAYER_FIELDS, Eagle3Config, Eagle3Head
+from draftadapt.drafts.spec import DraftFormatError  # defined torch-free; callers keep formats.DraftFormatError
 from draftadapt.drafts.vocab import check_vocab_map
 from draftadapt.fileio import atomic_path, atomic_write_json, bytes_sha256, file_sha256, fsync_dir
 
 META_FILE = "draftadapt.json"
 WEIGHTS_FILE = "model.safetensors"
 EAGLE3_ARCH = "LlamaForCausalLMEagle3"
-
-
-class DraftFormatError(ValueError):
-    """A draft directory that cannot serve the given target; the message says why and what to do."""
 
 
 # --------------------------------------------------------------------------- target identity
@@ -408,6 +405,20 @@ def identity_mismatch(recorded: dict[str, Any], fingerprint: dict[str, Any], req
             if (require or recorded.get(k) is not None) and recorded.get(k) != fingerprint.get(k)]
 
 
+def check_identity(recorded: Any, fingerprint: dict[str, Any], what: str, fix: str, require: bool = False,
+                   error: type[Exception] = DraftFormatError) -> None:
+    """The one draft/target identity check: raise ``error`` when the target a draft manifest
+    records (``recorded``, its "target") differs from ``fingerprint`` (:func:`target_fingerprint`
+    of the target at hand) on an identity field, naming ``what`` ("DIR was exported"), each field
+    that differs, and ``fix``. ``require``: a field the manifest lacks differs too (a swap into a
+    running engine); else it is skipped (a foreign draft records none)."""
+    recorded = recorded if isinstance(recorded, dict) else {}
+    differ = identity_mismatch(recorded, fingerprint, require)
+    if differ:
+        detail = ", ".join(f"{k}: draft {recorded.get(k)!r} vs target {fingerprint.get(k)!r}" for k in differ)
+        raise error(f"{what} for another target ({detail}); {fix}")
+
+
 def check_draft_for_target(draft_dir: str | Path, target_dir: str | Path) -> dict[str, Any]:
     """Everything about a draft dir that must hold before an engine is started with it.
 
@@ -419,14 +430,8 @@ def check_draft_for_target(draft_dir: str | Path, target_dir: str | Path) -> dic
     meta_path = draft_dir / META_FILE
     meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {"format": fmt}
     tfp = target_fingerprint(target_dir)
-    recorded = meta.get("target") or {}
-    differ = identity_mismatch(recorded, tfp)
-    if differ:
-        detail = ", ".join(f"{k}: draft {recorded[k]!r} vs target {tfp[k]!r}" for k in differ)
-        raise DraftFormatError(
-            f"{draft_dir} was exported for another target ({detail}); initialise a draft for "
-            f"{target_dir} with `draftadapt draft init --target {target_dir}` or re-export it"
-        )
+    check_identity(meta.get("target"), tfp, f"{draft_dir} was exported",
+                   f"initialise a draft for {target_dir} with `draftadapt draft init --target {target_dir}` or re-export it")
     weights = draft_dir / WEIGHTS_FILE
     if meta.get("sha256") and weights.is_file() and file_sha256(weights) != meta["sha256"]:
         raise DraftFormatError(

@@ -28,13 +28,13 @@ from draftadapt.drafts.formats import (
     META_FILE,
     WEIGHTS_FILE,
     check_draft_for_target,
+    check_identity,
     dtype_name,
-    identity_mismatch,
     model_dtype,
     target_fingerprint,
 )
-from draftadapt.drafts.methods import check_serves, method_for
 from draftadapt.drafts.mtp import PREFIX as MTP_PREFIX
+from draftadapt.drafts.spec import check_serves, spec_for
 from draftadapt.engine.cpu_fix import guard_llvmlite_lib
 from draftadapt.metrics.acceptance import AcceptanceStats
 
@@ -195,7 +195,7 @@ class RolloutEngine:
         if method is None and draft is not None:
             raise ValueError(f"a draft ({draft}) needs a method; pass method='eagle3', 'draft_model' or 'mtp'")
         model_free = draft is None and method in MODEL_FREE_METHODS
-        spec_method = None if method is None or model_free else method_for(method)
+        spec_method = None if method is None or model_free else spec_for(method)
         speculate = draft is not None or (spec_method is not None and spec_method.in_target)
         self.method = method if speculate or model_free else None
         self.k = num_speculative_tokens if speculate or model_free else 0
@@ -420,14 +420,8 @@ class RolloutEngine:
                 f"{meta_path} does not say which target it was built for; not swapped. Re-export it "
                 f"for {self.target} (`draftadapt draft init --target {self.target} --from DRAFT`)"
             )
-        served = self._target_fp
-        differ = identity_mismatch(recorded, served, require=True)
-        if differ:
-            detail = ", ".join(f"{k}: draft {recorded.get(k)!r} vs serving {served.get(k)!r}" for k in differ)
-            raise DraftSwapError(
-                f"{draft_dir} was built for another target ({detail}); not swapped. Train or "
-                f"re-export a draft for {self.target}"
-            )
+        check_identity(recorded, self._target_fp, f"{draft_dir} was built",
+                       f"not swapped. Train or re-export a draft for {self.target}", require=True, error=DraftSwapError)
         version, lineage = meta.get("version"), meta.get("lineage")
         newest = self.served_version(lineage) if lineage is not None else None
         if not rollback and isinstance(version, int) and newest is not None and version < newest:

@@ -39,7 +39,7 @@ from typing import Callable
 import numpy as np
 
 from draftadapt.config import ConfigError
-from draftadapt.sim.config import SimConfig
+from draftadapt.sim.config import CONFIGS, FIGURES, STAGES, SimConfig
 from draftadapt.sim.hardware import Arch, eagle3_head, eagle3_params, lookup_gpu, lookup_model
 
 # ---------------------------------------------------------------------------------------------
@@ -626,17 +626,6 @@ def shared_async_step(c: StageCosts, cores, fill_s: float = 0.0) -> SharedStepTi
 
 # ---------------------------------------------------------------------------------------------
 # a run: drift, adaptation, the configurations compared
-
-
-CONFIGS = ("plain", "spec", "adapt")
-STAGES = ("accept_length", "prepare_s", "gen_s", "exposed_gen_s", "logprob_s", "train_s",
-          "adapt_s", "data_s", "step_s")
-RATIOS = ("gen_share", "gen_speedup", "e2e_speedup", "ceiling")
-FIGURES = tuple(
-    f"{mode}.{name}.{config}"
-    for mode in ("sync", "async") for config in CONFIGS for name in STAGES + RATIOS
-    if not (mode == "async" and name == "ceiling")  # the paper's bound is for a sync step
-)
 
 
 @dataclass

@@ -32,15 +32,15 @@ import torch
 from draftadapt.adapter import AdapterConfig, DraftAdapter, ScheduleConfig, ValidateConfig
 from draftadapt.boundary import StepBoundary
 from draftadapt.config import ConfigError, load_config, pass_down, save_config
-from draftadapt.data.sequences import Sequence, collate
+from draftadapt.data.sequences import as_sequences, collate
 from draftadapt.drafts.formats import META_FILE
-from draftadapt.drafts.methods import method_for
+from draftadapt.drafts.spec import spec_for
 from draftadapt.engine.remote import EngineProcess
 from draftadapt.engine.rollout import DraftSwapError, RolloutEngine
 from draftadapt.metrics.logger import make_logger
 from draftadapt.online_k import OnlineK, OnlineKConfig, schedule_text
-from draftadapt.train.trainer import torch_threads
 from draftadapt.toy import PRETRAIN_RECIPE, task
+from draftadapt.train.trainer import torch_threads
 
 
 @dataclass
@@ -206,7 +206,7 @@ class DemoConfig:
             raise ConfigError(f"k_compare_repeats={self.k_compare_repeats}: give at least 1 round")
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs={self.max_num_seqs}: the engines need room for at least 1 sequence")
-        if self.initial_draft == "own" and not method_for(self.method).in_target:
+        if self.initial_draft == "own" and not spec_for(self.method).in_target:
             raise ConfigError(f"initial_draft=own: method={self.method} has no draft inside the target; use "
                               "initial_draft=pretrain, or method=mtp on an MTP toy")
         if self.engines < 1:
@@ -266,7 +266,7 @@ def grpo_update(policy, reference, opt, problems, rollouts, cfg: GRPOConfig, pad
         rewards.append(rew)
     R = torch.tensor(rewards).view(-1, cfg.group_size)  # [P, G]
     adv = ((R - R.mean(1, keepdim=True)) / (R.std(1, keepdim=True) + 1e-4)).view(-1)
-    seqs = [Sequence(list(r.prompt_token_ids), list(r.token_ids)) for r in rollouts]
+    seqs = as_sequences(rollouts)
     n = len(seqs)
     n_tokens = sum(len(s.ids) - len(s.prompt_ids) for s in seqs)  # response tokens, for the KL mean
     policy.train()
@@ -343,7 +343,7 @@ def demo_adapter(cfg: DemoConfig) -> AdapterConfig:
 
 def prepare_world(cfg, out: Path) -> tuple[Path, Path]:
     """The toy target and the draft RL starts from (built once; reused from OUT on a rerun)."""
-    from draftadapt.pretrain import prepare_toy_world
+    from draftadapt.toy.world import prepare_toy_world
 
     return prepare_toy_world(out, cfg.toy, cfg.draft, cfg.seed, cfg.pretrain_recipe, demo_pretrain_overrides(cfg), tag="demo",
                              method=cfg.method, own_draft=cfg.initial_draft == "own")
@@ -865,6 +865,7 @@ def measure_fresh(cfg: DemoConfig, out: Path, spec: RolloutEngine, prompts: list
     """Pretrain a draft from scratch on the final policy (the demo's recipe), swap it into the
     running engine (which serves the final policy) and measure it on the same prompts."""
     from draftadapt.pretrain import PretrainConfig, pretrain
+    from draftadapt.toy.world import TOY
 
     fresh_dir = out / "draft_fresh_final"
     print(f"[demo] pretraining a fresh draft on the final policy into {fresh_dir} (reference)", flush=True)
@@ -877,7 +878,7 @@ def measure_fresh(cfg: DemoConfig, out: Path, spec: RolloutEngine, prompts: list
         pretrain(load_config(PretrainConfig, cfg.pretrain_recipe, [
             f"target={out / 'final_policy'}", f"out={fresh_dir}", "build_toy=false",
             f"max_minutes={cfg.fresh_max_minutes}", f"method={cfg.method}",
-            *demo_pretrain_overrides(cfg)]))
+            *demo_pretrain_overrides(cfg)]), TOY)
     seconds = time.perf_counter() - t0
     try:
         m = measure_draft(spec, fresh_dir, prompts, cfg)

@@ -5,7 +5,7 @@ through it, not through a side method, or gradients are not reduced across ranks
 return *step logits* in one convention (see ``metrics.acceptance.simulate_acceptance``):
 ``step_logits[i][:, t]`` are the draft's logits for token t + i + 2, i.e. position i of a draft
 made right after token t + 1 became known. Which wrapper a draft gets, and how each is called,
-is its method's answer (``drafts/methods.py``).
+is its method's answer (``train/methods.py``).
 """
 
 from __future__ import annotations

@@ -27,11 +27,11 @@ import torch
 from torch import nn
 
 from draftadapt.capture.hidden import CapturedBatch
-from draftadapt.drafts.methods import DraftMethod, method_for
 from draftadapt.metrics.acceptance import AcceptanceStats, simulate_acceptance
 from draftadapt.tensors import all_finite
 from draftadapt.train import losses
 from draftadapt.train.forward import DraftLMForward, Eagle3TTT
+from draftadapt.train.methods import DraftMethod, method_for
 
 STATE_FILE = "trainer_state.json"
 

@@ -16,7 +16,7 @@ from draftadapt.config import ConfigError
 from draftadapt.data.store import DraftStore
 from draftadapt.drafts.formats import META_FILE, WEIGHTS_FILE
 from draftadapt.fileio import file_sha256
-from draftadapt.drafts.init import init_draft
+from draftadapt.init import init_draft
 from draftadapt.train.trainer import TrainConfig
 
 from .conftest import start_engine, stop_engine, toy_prompts

@@ -27,8 +27,8 @@ from safetensors.torch import load_file, save_file
 from draftadapt.adapter import DraftAdapter
 from draftadapt.data.store import DraftStore
 from draftadapt.drafts.formats import META_FILE, WEIGHTS_FILE
-from draftadapt.drafts.init import init_draft
 from draftadapt.engine.rollout import DraftSwapError
+from draftadapt.init import init_draft
 from draftadapt.spool import SpoolCursor, SpoolReader, SpoolWriter
 from draftadapt.toy.model import build_model
 

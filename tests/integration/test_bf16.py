@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from draftadapt.adapter import DraftAdapter
 from draftadapt.drafts.formats import WEIGHTS_FILE
-from draftadapt.drafts.init import init_draft
+from draftadapt.init import init_draft
 from draftadapt.toy.model import build_model
 from draftadapt.toy.tokenizer import build_tokenizer
 

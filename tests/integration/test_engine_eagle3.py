@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file
 
 from draftadapt.drafts.formats import DraftFormatError, META_FILE, WEIGHTS_FILE
-from draftadapt.drafts.init import init_draft
 from draftadapt.engine.rollout import DraftSwapError
+from draftadapt.init import init_draft
 
 from .conftest import edit_manifest, flipped_copy, start_engine, stop_engine, toy_prompts
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from draftadapt.drafts.formats import META_FILE, load_eagle3
-from draftadapt.drafts.init import init_draft
+from draftadapt.init import init_draft
 
 from .conftest import start_engine, stop_engine, toy_prompts
 

@@ -15,11 +15,11 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 from draftadapt.drafts.formats import META_FILE, WEIGHTS_FILE
-from draftadapt.drafts.methods import MTP
 from draftadapt.drafts.mtp import PREFIX, head_from_target
 from draftadapt.engine.rollout import DraftSwapError
 from draftadapt.fileio import file_sha256
 from draftadapt.toy.known import transition_matrix
+from draftadapt.train.methods import MTP
 
 from .conftest import start_engine, stop_engine, toy_prompts
 from .test_lossless import _sample, assert_target_distribution

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from draftadapt.drafts.init import init_draft
+from draftadapt.init import init_draft
 from draftadapt.metrics.kcost import k_at
 from draftadapt.online_k import OnlineK, OnlineKConfig
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from draftadapt.drafts.formats import META_FILE
-from draftadapt.drafts.init import init_draft
+from draftadapt.init import init_draft
 
 from .conftest import flipped_copy, small_cfg, toy_prompts
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from draftadapt.data.store import DraftStore
-from draftadapt.drafts.init import init_draft
 from draftadapt.fileio import file_sha256
+from draftadapt.init import init_draft
 from draftadapt.spool import SpoolCursor, SpoolReader, SpoolWriter
 from draftadapt.toy.model import build_model
 

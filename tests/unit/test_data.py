@@ -3,23 +3,30 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from draftadapt.capture.hidden import CapturedBatch
 from draftadapt.capture.store import CaptureStore
+from draftadapt.config import ConfigError
 from draftadapt.data.prompts import token_counts
-from draftadapt.data.sequences import Sequence, batch_order, collate, epoch_plan, load_sequences, save_sequences
+from draftadapt.data.sequences import (Sequence, as_sequences, batch_order, collate, epoch_plan, load_sequences,
+                                       save_sequences)
 from draftadapt.pretrain import heldout_prompts, load_prompts
+from draftadapt.toy.world import TOY
 
 
 def test_toy_prompts_are_a_dataset_and_deterministic():
-    a = load_prompts("toy", 20, seed=3)
-    b = load_prompts("toy", 20, seed=3)
+    a = load_prompts("toy", 20, seed=3, toy=TOY)
+    b = load_prompts("toy", 20, seed=3, toy=TOY)
     assert a.column_names == ["prompt"] and len(a) == 20
     assert a["prompt"] == b["prompt"]
     assert all(p.endswith("=") for p in a["prompt"])
+    # the toy world is handed in from above (nothing outside toy/ imports it): without it, the fix
+    with pytest.raises(ConfigError, match="data.source=toy needs the toy world"):
+        load_prompts("toy", 20, seed=3)
 
 
 def test_file_prompts_jsonl_and_parquet(tmp_path):
@@ -43,8 +50,18 @@ def test_file_prompts_jsonl_and_parquet(tmp_path):
 def test_heldout_prefers_target_file(tmp_path):
     (tmp_path / "heldout.jsonl").write_text(json.dumps({"prompt": "1+2=", "answer": "3"}) + "\n")
     assert heldout_prompts(tmp_path, "toy", 5, 0) == ["1+2="]
-    other = heldout_prompts(tmp_path / "nothing", "toy", 5, 0)
-    assert len(other) == 5 and not set(other) & set(load_prompts("toy", 5, 0)["prompt"])
+    other = heldout_prompts(tmp_path / "nothing", "toy", 5, 0, toy=TOY)
+    assert len(other) == 5 and not set(other) & set(load_prompts("toy", 5, 0, toy=TOY)["prompt"])
+
+
+def test_every_form_of_a_rollout_becomes_the_same_sequence():
+    """as_sequences is the one Rollout -> Sequence: the engine's Rollout, a Sequence or spool
+    record, a dict and a pair give the same (prompt ids, response ids), in order."""
+    engine = SimpleNamespace(prompt_token_ids=(1, 5), token_ids=(7, 2), text="x", logprobs=None, finish_reason="stop")
+    forms = [engine, Sequence([1, 5], [7, 2]), {"prompt_ids": [1, 5], "response_ids": [7, 2]}, ([1, 5], (7, 2))]
+    assert as_sequences(forms) == [Sequence([1, 5], [7, 2])] * 4
+    with pytest.raises(ValueError, match="no prompt tokens"):
+        as_sequences([([], [7, 2])])
 
 
 def test_sequences_roundtrip_and_collate(tmp_path):

@@ -9,11 +9,12 @@ from draftadapt.drafts.eagle3 import default_aux_layers, init_from_target
 from draftadapt.drafts.formats import (
     DraftFormatError,
     check_draft_for_target,
+    check_identity,
     export_eagle3,
     load_eagle3,
     target_fingerprint,
 )
-from draftadapt.drafts.init import init_draft
+from draftadapt.init import init_draft
 from draftadapt.toy.model import ToyModelConfig, build_model
 from draftadapt.toy.tokenizer import build_tokenizer
 
@@ -182,3 +183,20 @@ def test_qwen3_target_gets_a_llama_type_head(tmp_path):
     cfg = json.loads((d / "config.json").read_text())
     assert cfg["transformer_layer_config"]["model_type"] == "llama"
     assert load_eagle3(d, path).cfg.target_model_type == "qwen3"
+
+
+def test_one_identity_check_names_each_field_and_the_fix():
+    """formats.check_identity is the draft/target identity check of the loader, the publisher
+    and the engine's swap: each differing field with both values, then the caller's fix."""
+    fp = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 4, "vocab_size": 64, "tokenizer_sha256": "t"}
+    check_identity({**fp}, fp, "d was exported", "re-export it")
+    check_identity({"hidden_size": 64}, fp, "d was exported", "re-export it")  # unrecorded fields are skipped
+    with pytest.raises(DraftFormatError, match=r"^d was exported for another target \(hidden_size: draft 32 vs "
+                                               r"target 64, vocab_size: draft 60 vs target 64\); re-export it$"):
+        check_identity({**fp, "hidden_size": 32, "vocab_size": 60}, fp, "d was exported", "re-export it")
+
+    class Refused(RuntimeError):
+        pass
+
+    with pytest.raises(Refused, match=r"model_type: draft None vs target 'llama'.*; not swapped"):
+        check_identity({"hidden_size": 64}, fp, "d was built", "not swapped", require=True, error=Refused)

@@ -46,7 +46,7 @@ def test_kl_term_pulls_toward_the_reference(kl_coef):
     cfg = grpo.GRPOConfig(group_size=4, kl_coef=kl_coef, style_bonus=0.0, lr=1e-2, warmup_steps=0)
     same = [problems[0]] * len(rollouts)  # one problem for all: rewards equal within each group
     rollouts = [SimpleNamespace(**{**vars(r), "text": "garbage"}) for r in rollouts]
-    batch = grpo.collate([grpo.Sequence(list(r.prompt_token_ids), list(r.token_ids)) for r in rollouts], 0)
+    batch = grpo.collate(grpo.as_sequences(rollouts), 0)
     mask = batch["loss_mask"][:, :-1].float()
     before = _kl(policy, reference, batch, mask)
     opt = torch.optim.SGD(policy.parameters(), lr=cfg.lr)

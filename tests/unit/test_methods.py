@@ -1,12 +1,14 @@
-"""drafts/methods.py: one object per draft method answers every per-method question."""
+"""train/methods.py (and drafts/spec.py, the serving facts it extends): one object per draft
+method answers every per-method question."""
 
 import pytest
 import torch
 
 from draftadapt.config import ConfigError
 from draftadapt.drafts.formats import DraftFormatError
-from draftadapt.drafts.init import init_draft
-from draftadapt.drafts.methods import DRAFT_LM, EAGLE3, check_serves, method_for, method_of_dir
+from draftadapt.drafts.spec import check_serves, spec_for
+from draftadapt.init import init_draft
+from draftadapt.train.methods import DRAFT_LM, EAGLE3, method_for, method_of_dir
 
 from .test_drafts import make_target
 
@@ -30,6 +32,9 @@ def test_a_method_is_found_by_name_by_module_and_by_directory(drafts):
     assert EAGLE3.unwrap(EAGLE3.wrap(head, 3)) is head and DRAFT_LM.unwrap(DRAFT_LM.wrap(lm)) is lm
     with pytest.raises(DraftFormatError, match="unknown draft method 'medusa'"):
         method_for("medusa")
+    # a method is its serving facts extended: the engine's answer and the trainer's are one
+    assert method_for(spec_for("eagle3")) is EAGLE3 and spec_for("draft_model").formats == DRAFT_LM.formats
+    assert EAGLE3.speculative_config("d", 3, 64) == spec_for("eagle3").speculative_config("d", 3, 64)
 
 
 def test_capture_setup_and_vocabulary_follow_the_method(drafts, tmp_path):

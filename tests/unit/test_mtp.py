@@ -8,11 +8,11 @@ from transformers import AutoModelForCausalLM
 
 from draftadapt.capture.hidden import CapturedBatch
 from draftadapt.drafts.formats import DraftFormatError, check_draft_for_target, detect_format, read_hf_config
-from draftadapt.drafts.methods import MTP, MTPMethod, method_for, method_of_dir
 from draftadapt.drafts.mtp import PREFIX, MTPHead, head_from_target
 from draftadapt.toy.model import ToyModelConfig, build_model
 from draftadapt.toy.mtp import JointMTP, save_mtp
 from draftadapt.toy.tokenizer import build_tokenizer
+from draftadapt.train.methods import MTP, MTPMethod, method_for, method_of_dir
 from draftadapt.train.trainer import DraftTrainer, TrainConfig
 
 # what vLLM's MiMoMTP.load_weights resolves for layer 0 (checkpoint names, 0-indexed, no mtp_block.)

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from draftadapt.drafts.formats import DraftFormatError
-from draftadapt.drafts.methods import method_for
+from draftadapt.train.methods import method_for
 
 
 def init_draft(target: str | Path, method: str, out: str | Path, fmt: str = "speculators",

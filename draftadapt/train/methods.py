@@ -1,4 +1,5 @@
-"""The draft methods: what differs between an Eagle-3 head and a small draft LM, one class each.
+"""The per-method training strategies: what differs between an Eagle-3 head, a small draft LM and
+MTP layers, one class each.
 
     method = method_for("eagle3")                  # a name, a draft module or a method
     draft = method.load(draft_dir, target_dir)     # or .init(...) / .build(...) for a new one
@@ -6,16 +7,16 @@
     forward = method.wrap(draft, ttt_steps)        # what the trainer steps (TTT unroll or plain LM)
     method.export(draft, out_dir, target_dir)      # a draft directory vLLM serves
 
-Every question whose answer depends on the method (how a draft is made, loaded, exported, served,
-captured for, trained and scored) is answered here and nowhere else (docs/design.md, "Draft
-methods"). Plain classes, no registry: the third method (MTP) is the third class and a line in
-:func:`method_for`.
+Every question whose answer depends on the method (how a draft is made, loaded, exported,
+captured for, trained and scored) is answered here and nowhere else; how it is served (its name,
+layouts, vLLM's ``speculative_config``) is the torch-free ``drafts/spec.py``, which each class
+here extends, so an engine needs no training code (docs/design.md, "Draft methods"). Plain
+classes, no registry: the third method (MTP) is the third class and a line in :func:`method_for`.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -23,24 +24,19 @@ from transformers import PreTrainedModel
 
 from draftadapt.capture.hidden import TargetCapture
 from draftadapt.drafts.eagle3 import Eagle3Head
-from draftadapt.drafts.formats import (DraftFormatError, detect_format, export_eagle3, export_mtp, load_eagle3,
-                                       load_mtp, read_hf_config)
+from draftadapt.drafts.formats import detect_format, export_eagle3, export_mtp, load_eagle3, load_mtp, read_hf_config
 from draftadapt.drafts.mtp import MTPHead, head_from_target
+from draftadapt.drafts.spec import (METHODS, DraftFormatError, DraftLMSpec, Eagle3Spec, MethodSpec, MTPSpec, spec_for,
+                                    spec_of_format)
 from draftadapt.drafts.vocab import draft_to_target_ids
 from draftadapt.train import losses
 from draftadapt.train.forward import DraftLMForward, Eagle3TTT, lm_step_logits
 
-METHODS = ("eagle3", "draft_model", "mtp")  # the names configs, the CLI and vLLM's speculative_config use
 
-
-class Eagle3Method:
+class Eagle3Method(Eagle3Spec):
     """An Eagle-3 head on the target's aux hidden states (vLLM ``method="eagle3"``)."""
 
-    name = "eagle3"
-    describe = "an Eagle-3 head"
-    formats = ("speculators", "eagle")  # its checkpoint layouts (drafts/formats.py)
     wrapper_prefix = "head."  # the draft's parameter names inside its training wrapper
-    in_target = False  # True: the target itself carries the draft (MTP); an engine needs no draft dir
 
     # ------------------------------------------------------------------ making and keeping drafts
 
@@ -76,11 +72,6 @@ class Eagle3Method:
         """Write ``draft`` as a draft directory vLLM loads, in layout ``fmt`` (None: speculators)."""
         return export_eagle3(draft, out, target, fmt=fmt or "speculators",
                              num_speculative_tokens=num_speculative_tokens, meta=meta)
-
-    def speculative_config(self, draft_dir: str | Path, k: int, max_model_len: int) -> dict[str, Any]:
-        """vLLM's ``speculative_config``. ``method`` is always named: an Eagle-3 head served as
-        EAGLE runs without an error at acceptance 1.0 (docs/design.md, "Eagle-3 aux layers")."""
-        return {"method": self.name, "model": str(draft_dir), "num_speculative_tokens": k}
 
     # ------------------------------------------------------------------ what it learns from
 
@@ -127,14 +118,10 @@ class Eagle3Method:
         return loss, per_step, accs, steps
 
 
-class DraftLMMethod:
+class DraftLMMethod(DraftLMSpec):
     """A small draft LM sharing the target's tokenizer (vLLM ``method="draft_model"``)."""
 
-    name = "draft_model"
-    describe = "an HF draft LM"
-    formats = ("hf",)
     wrapper_prefix = "model."
-    in_target = False
 
     def init(self, target: str | Path, seed: int = 0, source: str | Path | None = None,
              draft_vocab: int | None = None) -> nn.Module:
@@ -166,11 +153,6 @@ class DraftLMMethod:
 
         return export_small_lm(draft, out, target, meta=meta)
 
-    def speculative_config(self, draft_dir: str | Path, k: int, max_model_len: int) -> dict[str, Any]:
-        # vLLM sizes the draft model's own KV cache from it
-        return {"method": self.name, "model": str(draft_dir), "num_speculative_tokens": k,
-                "max_model_len": max_model_len}
-
     def vocab_ids(self, draft: nn.Module) -> torch.Tensor:
         return torch.arange(draft.config.vocab_size)  # the target's vocabulary
 
@@ -195,18 +177,14 @@ class DraftLMMethod:
         return loss, [loss.detach()], [acc], lm_step_logits(logits.detach(), cfg.ttt_steps)
 
 
-class MTPMethod:
+class MTPMethod(MTPSpec):
     """The target's own MTP layers (vLLM ``method="mtp"``, MiMo layout; docs/design.md, "MTP").
 
     Trained like an Eagle-3 head (the same TTT unroll and losses) on one hidden state, the body's
     pre-norm residual stream at layer L, over the full vocabulary through the policy's lm_head.
     """
 
-    name = "mtp"
-    describe = "a target's MTP layers"
-    formats = ("mtp",)
     wrapper_prefix = "head."
-    in_target = True
 
     def init(self, target: str | Path, seed: int = 0, source: str | Path | None = None,
              draft_vocab: int | None = None) -> MTPHead:
@@ -228,11 +206,6 @@ class MTPMethod:
                num_speculative_tokens: int = 3, meta: dict | None = None) -> Path:
         """Only the ``model.mtp_layers.*`` tensors (``fmt`` is Eagle-3's; ignored here)."""
         return export_mtp(draft, out, target, meta=meta)
-
-    def speculative_config(self, draft_dir: str | Path | None, k: int, max_model_len: int) -> dict[str, Any]:
-        # no "model": vLLM reads the MTP layers from the target's own checkpoint; a draft dir's
-        # layers are loaded into the drafter once it runs (RolloutEngine)
-        return {"method": self.name, "num_speculative_tokens": k}
 
     def vocab_ids(self, draft: MTPHead) -> torch.Tensor:
         return torch.arange(draft.cfg.vocab_size)
@@ -265,19 +238,15 @@ MTP = MTPMethod()
 DraftMethod = Eagle3Method | DraftLMMethod | MTPMethod
 
 
-def method_for(what: str | nn.Module | DraftMethod) -> DraftMethod:
-    """The method of a name ("eagle3", "draft_model"), of a draft module (bare or wrapped for
-    training), or a method itself."""
+def method_for(what: str | nn.Module | DraftMethod | MethodSpec) -> DraftMethod:
+    """The method of a name ("eagle3", "draft_model"), of its serving facts (``drafts.spec``), of a
+    draft module (bare or wrapped for training), or a method itself."""
     if isinstance(what, (Eagle3Method, DraftLMMethod, MTPMethod)):
         return what
     if isinstance(what, str):
-        if what == EAGLE3.name:
-            return EAGLE3
-        if what == DRAFT_LM.name:
-            return DRAFT_LM
-        if what == MTP.name:
-            return MTP
-        raise DraftFormatError(f"unknown draft method {what!r}; use one of {', '.join(METHODS)}")
+        what = spec_for(what)  # an unknown name is refused there
+    if isinstance(what, (Eagle3Spec, DraftLMSpec, MTPSpec)):
+        return next(m for m in (EAGLE3, DRAFT_LM, MTP) if m.name == what.name)
     inner = getattr(what, "module", what)  # DDP / DeepSpeed keep the model at .module
     if isinstance(getattr(inner, "head", inner), MTPHead):  # bare, or inside its TTT wrapper
         return MTP
@@ -291,21 +260,9 @@ def method_for(what: str | nn.Module | DraftMethod) -> DraftMethod:
 
 def method_of_format(fmt: str) -> DraftMethod:
     """The method that serves a checkpoint layout (``formats.detect_format``)."""
-    if fmt in MTP.formats:
-        return MTP
-    return DRAFT_LM if fmt in DRAFT_LM.formats else EAGLE3
+    return method_for(spec_of_format(fmt))
 
 
 def method_of_dir(draft_dir: str | Path) -> DraftMethod:
     """The method of a draft directory, from its config."""
     return method_of_format(detect_format(read_hf_config(draft_dir)))
-
-
-def check_serves(method: DraftMethod, draft_dir: str | Path, fmt: str | None, fix: str,
-                 error: type[Exception] = DraftFormatError) -> None:
-    """Refuse a draft directory in another method's layout (``fix``: what to set, with
-    ``{method}`` for the right one): served or trained as the wrong method it runs without an
-    error at acceptance 1.0 (docs/design.md, "Eagle-3 aux layers")."""
-    if fmt is not None and fmt not in method.formats:
-        right = method_of_format(fmt)
-        raise error(f"{draft_dir} is {right.describe}; " + fix.format(method=right.name))
