@@ -1,16 +1,14 @@
 """DraftAdapter: the library API an RL loop calls to keep its draft aligned with the policy.
 
     adapter = DraftAdapter(policy_dir, draft_dir, out_dir, AdapterConfig())
+    boundary = StepBoundary(adapter, engine)                     # draftadapt/boundary.py
     for step in rl_steps:
         result = engine.generate(prompts, ...)                   # rollouts from the live draft
-        ... policy update ...
-        engine.update_policy(weights, version=v)                 # the RL run's own weight sync
-        adapter.check_integrity(engine)                          # the draft survived the sync
-        adapter.observe(result.rollouts, policy_version=v - 1,   # what the policy sampled,
-                        handover=ho)                             # + its states (HandOver, optional)
-        adapter.update_policy(weights, version=v)                # the adapter's own HF copy
-        if adapter.step()["adapt/published"]:                    # train -> validate -> publish
-            adapter.swap(engine)                                 # in place, milliseconds
+        ... policy update (with adapter.handover(policy) as ho) ...
+        boundary.after_update(result.rollouts, sampled_version=v - 1, weights=weights, version=v, handover=ho)
+
+The boundary makes the calls below in their one order (the engine's policy sync, the draft's
+integrity, observe, update_policy, step, swap); call them yourself only where no boundary fits.
 
 observe -> train (TTT unroll, forward KL to the policy) -> validate on held-out rollouts of the
 newest policy version -> publish (atomic, versioned) -> swap (never a draft trained on a newer
