@@ -7,6 +7,10 @@ Architecture (Li et al., EAGLE-3, arXiv 2503.01840; vLLM ``llama_eagle3.py``):
     logits = lm_head(norm(x))                      # over the reduced draft vocabulary
     the pre-norm ``x`` is the hidden state fed to the next speculative step.
 
+Three variants from speculators (the Eagle 3.1 and gpt-oss heads; vLLM reads the same config keys),
+each off in the original: ``norm_before_fc`` (one RMSNorm over the concatenated aux states before
+fc), ``fc_norm`` (one RMSNorm per aux state) and ``norm_output`` (the next step reads ``norm(x)``).
+
 Parameter names (no ``model.`` prefix, as vLLM's ``Eagle3LlamaForCausalLM.load_weights`` wants):
 ``embed_tokens.weight``, ``fc.weight``, ``layers.0.{hidden_norm,input_layernorm,
 post_attention_layernorm}.weight``, ``layers.0.self_attn.{q,k,v,o}_proj.weight``,
@@ -41,6 +45,11 @@ class Eagle3Config:
     # False: the residual is the raw fc output (original EAGLE-3). speculators' exports default
     # to True, so the flag is always written explicitly on export.
     norm_before_residual: bool = False
+    # speculators 0.9 trains Eagle-3 heads with norm_before_fc and norm_output on by default; a head
+    # imported from it keeps them, so they are served (vLLM llama_eagle3.py) and trained as written.
+    norm_before_fc: bool = False  # RMSNorm over [h_l1 ; h_l2 ; h_l3] before fc (tensor input_norm.weight)
+    fc_norm: bool = False  # an RMSNorm per aux state before fc (fc_norm.{i}.weight); excludes norm_before_fc
+    norm_output: bool = False  # the next speculative step reads norm(x) instead of x (Eagle 3.1: no drift in scale)
     # True: the head uses the target's own embed_tokens (not exported; vLLM shares the target's
     # module and it follows every policy update). False: the head ships its own, distinct copy.
     share_embeddings: bool = True
@@ -184,6 +193,8 @@ class Eagle3Head(nn.Module):
         super().__init__()
         if cfg.num_aux < 1:
             raise ValueError("Eagle3Config.aux_layer_ids is empty; pass the target layers to read")
+        if cfg.norm_before_fc and cfg.fc_norm:
+            raise ValueError("Eagle3Config: norm_before_fc and fc_norm exclude each other (vLLM applies one); set one")
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.target_vocab_size, cfg.hidden_size)
         self.fc = nn.Linear(cfg.num_aux * cfg.target_hidden_size, cfg.hidden_size, bias=False)
@@ -192,6 +203,11 @@ class Eagle3Head(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.ones(cfg.target_vocab_size, dtype=torch.bool))
+        # registered last and only when on, so a head without them has the same tensors and init as before
+        width = cfg.num_aux * cfg.target_hidden_size
+        self.input_norm = RMSNorm(width, cfg.rms_norm_eps) if cfg.norm_before_fc else None
+        self.fc_norm = (nn.ModuleList(RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps) for _ in range(cfg.num_aux))
+                        if cfg.fc_norm else None)
 
     def init_weights(self, seed: int, std: float = 0.02) -> None:
         g = torch.Generator().manual_seed(seed)
@@ -203,19 +219,28 @@ class Eagle3Head(nn.Module):
 
     def combine(self, aux: torch.Tensor) -> torch.Tensor:
         """aux: [B, T, num_aux * Ht] concatenated target aux hidden states -> [B, T, H]."""
+        if self.input_norm is not None:
+            aux = self.input_norm(aux)
+        if self.fc_norm is not None:
+            chunks = aux.chunk(len(self.fc_norm), dim=-1)
+            aux = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks)], dim=-1)
         return self.fc(aux)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """x: [B, T, H] pre-norm output -> [B, T, Vd] draft-vocab logits."""
         return self.lm_head(self.norm(x))
 
+    def carried(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [B, T, H] pre-norm output -> the hidden state the next speculative step reads [B, T, H]."""
+        return self.norm(x) if self.cfg.norm_output else x
+
     def forward(
         self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor | None = None
     ) -> torch.Tensor:
         """One causal pass (the first speculative step, as vLLM runs it over a prefix).
 
-        input_ids: [B, T] token t+1 at index t; hidden: [B, T, H] (fc output or previous
-        pre-norm output) for position t; positions: [B, T] -> pre-norm output x [B, T, H].
+        input_ids: [B, T] token t+1 at index t; hidden: [B, T, H] (fc output or the previous
+        step's ``carried`` output) for position t; positions: [B, T] -> pre-norm output x [B, T, H].
         """
         b, t = input_ids.shape
         if positions is None:
@@ -251,7 +276,7 @@ def ttt_unroll(
 
     ``head``: an :class:`Eagle3Head` or an MTP head (drafts/mtp.py); both have the same step
     structure: ``combine`` the target features, ``layers[0]``'s ``attn_input``, attention and
-    ``finish``, ``logits``, ``d2t`` and ``embed_inputs``.
+    ``finish``, ``logits``, ``carried`` (what the next step reads), ``d2t`` and ``embed_inputs``.
 
     Step 0 is a causal pass from the target's hidden states. At step j the query for original
     position t stands for position t + j: it attends to step-0 keys at positions <= t and to
@@ -305,7 +330,8 @@ def ttt_unroll(
                 nxt = top + head.d2t[top]
                 nxt = nxt if slots is None or j > 0 else gather(nxt)
             ids = nxt.detach()
-            hidden = x if slots is None or j > 0 else gather(x)
+            carry = head.carried(x)
+            hidden = carry if slots is None or j > 0 else gather(carry)
     return out
 
 

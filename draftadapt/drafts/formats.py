@@ -166,6 +166,9 @@ def export_eagle3(
         "draft_vocab_size": cfg.draft_vocab_size,
         "target_hidden_size": cfg.target_hidden_size,
         "norm_before_residual": cfg.norm_before_residual,
+        "norm_before_fc": cfg.norm_before_fc,
+        "fc_norm": cfg.fc_norm,
+        "norm_output": cfg.norm_output,
         "eagle_aux_hidden_state_layer_ids": aux,
     }
     if fmt == "speculators":
@@ -273,12 +276,12 @@ def load_eagle3(draft_dir: str | Path, target_dir: str | Path | None = None) -> 
             f"{draft_dir} is a plain HF model, not an Eagle-3 head; serve it with method='draft_model'"
         )
     layer = config["transformer_layer_config"] if fmt == "speculators" else config
+    tfp = target_fingerprint(target_dir) if target_dir is not None else None
+    _check_layer_supported(layer, draft_dir, (tfp or {}).get("max_position_embeddings"))
     sd = _read_weights(draft_dir)
     sd = {k.replace("midlayer.", "layers.0.", 1).removeprefix("model."): v for k, v in sd.items()}
-    tfp = target_fingerprint(target_dir) if target_dir is not None else None
-    aux = config.get("eagle_aux_hidden_state_layer_ids") or (config.get("eagle_config") or {}).get(
-        "eagle_aux_hidden_state_layer_ids"
-    )
+    eagle_config = config.get("eagle_config") or {}
+    aux = config.get("eagle_aux_hidden_state_layer_ids") or eagle_config.get("eagle_aux_hidden_state_layer_ids")
     if not aux:
         if tfp is None:
             raise DraftFormatError(
@@ -308,6 +311,10 @@ def load_eagle3(draft_dir: str | Path, target_dir: str | Path | None = None) -> 
         rms_norm_eps=layer.get("rms_norm_eps", 1e-6),
         # vLLM's speculators parser defaults this to True, the plain-config path to False.
         norm_before_residual=bool(config.get("norm_before_residual", fmt == "speculators")),
+        # as vLLM reads them (llama_eagle3.py): norm_before_fc from eagle_config first, then the config
+        norm_before_fc=bool(eagle_config.get("norm_before_fc", config.get("norm_before_fc", False))),
+        fc_norm=bool(config.get("fc_norm", False)),
+        norm_output=bool(config.get("norm_output", False)),
         target_model_type=(tfp or {}).get("model_type") or "llama",
         target_num_layers=(tfp or {}).get("num_hidden_layers") or 0,
     )
@@ -348,6 +355,38 @@ def load_eagle3(draft_dir: str | Path, target_dir: str | Path | None = None) -> 
     if tfp is not None:
         _check_head_fits(cfg, tfp, where=str(draft_dir))
     return head
+
+
+def _check_layer_supported(layer: dict[str, Any], draft_dir: Path, target_max: int | None) -> None:
+    """Refuse a decoder layer the head cannot be, naming each difference and the speculators option
+    that avoids it. Without this a speculators draft with a rescaled RoPE or a narrow sliding window
+    loads, serves in vLLM as written, and trains here as a different model; the others (more layers,
+    a qwen3 layer, biases) would fail later as unexpected tensors."""
+    problems = []
+    if layer.get("num_hidden_layers", 1) != 1:
+        problems.append(f"{layer['num_hidden_layers']} decoder layers (draftadapt trains one; "
+                        "speculators: --num-layers 1)")
+    if layer.get("model_type", "llama") != "llama":
+        problems.append(f"a {layer['model_type']} decoder layer (draftadapt's is llama; "
+                        "speculators: --draft-arch llama)")
+    if layer.get("attention_bias") or layer.get("mlp_bias"):
+        problems.append("biases in attention or MLP (draftadapt's layer has none)")
+    if layer.get("hidden_act", "silu") != "silu":
+        problems.append(f"activation {layer['hidden_act']!r} (draftadapt's MLP is SiLU-gated)")
+    for rope in (layer.get("rope_parameters") or {}, layer.get("rope_scaling") or {}):  # transformers 5, 4
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            problems.append(f"RoPE type {rope_type!r} (draftadapt's head uses plain RoPE with rope_theta)")
+            break
+    window = layer.get("sliding_window")
+    sliding = "sliding_attention" in (layer.get("layer_types") or []) or layer.get("use_sliding_window")
+    context = target_max or layer.get("max_position_embeddings")
+    if sliding and window is not None and context is not None and window < context:
+        problems.append(f"sliding-window attention over {window} positions, below the target's context of {context} "
+                        f"(draftadapt's head attends over all of it; speculators: --sliding-window {context} or "
+                        "--full-attention-indices 0)")
+    if problems:
+        raise DraftFormatError(f"{draft_dir}: its Eagle-3 head is not one draftadapt can train: " + "; ".join(problems))
 
 
 def _target_embeddings(target_dir: str | Path) -> torch.Tensor:

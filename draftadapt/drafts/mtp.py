@@ -174,6 +174,9 @@ class MTPHead(nn.Module):
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(x)  # x is final_layernorm's output already
 
+    def carried(self, x: torch.Tensor) -> torch.Tensor:
+        return x  # the next MTP step reads this step's output as it is
+
     def unroll(self, input_ids: torch.Tensor, aux: torch.Tensor, steps: int, feed_ids=None,
                slots: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Layer 0 run ``steps`` draft steps deep, as vLLM chains it (see ``eagle3.ttt_unroll``)."""

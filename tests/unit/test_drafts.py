@@ -200,3 +200,70 @@ def test_one_identity_check_names_each_field_and_the_fix():
 
     with pytest.raises(Refused, match=r"model_type: draft None vs target 'llama'.*; not swapped"):
         check_identity({"hidden_size": 64}, fp, "d was built", "not swapped", require=True, error=Refused)
+
+
+def test_speculators_norm_variants_export_serve_names_and_round_trip(target, tmp_path):
+    """norm_before_fc, fc_norm and norm_output (speculators trains the first and last by default):
+    written explicitly, their tensors under vLLM's names, read back as written, and norm_output
+    changes what steps >= 1 read (a loader that dropped it would train another model)."""
+    import dataclasses
+
+    path, model = target
+    base = init_from_target(model, [1, 2, 3], 40, None, seed=1)
+    for flags, extra in (({"norm_before_fc": True, "norm_output": True}, {"input_norm.weight"}),
+                         ({"fc_norm": True}, {"fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight"})):
+        head = type(base)(dataclasses.replace(base.cfg, **flags))
+        head.load_state_dict({**head.state_dict(), **base.state_dict()})
+        with torch.no_grad():
+            for name, p in head.named_parameters():
+                if "input_norm" in name or "fc_norm" in name:
+                    p.uniform_(0.5, 1.5)
+        assert set(head.state_dict()) == VLLM_EAGLE3_NAMES | extra
+        out = export_eagle3(head, tmp_path / "_".join(flags), path)
+        cfg = json.loads((out / "config.json").read_text())
+        assert {k: cfg[k] for k in ("norm_before_fc", "fc_norm", "norm_output")} == {
+            k: flags.get(k, False) for k in ("norm_before_fc", "fc_norm", "norm_output")}
+        back = load_eagle3(out, path)
+        assert back.cfg == head.cfg
+        for k, v in head.state_dict().items():
+            assert torch.equal(back.state_dict()[k], v), k
+    torch.manual_seed(0)
+    ids, aux = torch.randint(4, 30, (1, 9)), torch.randn(1, 9, 3 * 64)
+    normed = type(base)(dataclasses.replace(base.cfg, norm_output=True))
+    normed.load_state_dict(base.state_dict())
+    with torch.no_grad():
+        a, b = base.unroll(ids, aux, 2), normed.unroll(ids, aux, 2)
+    torch.testing.assert_close(a[0], b[0])  # step 0 reads the target's features either way
+    assert not torch.allclose(a[1], b[1])
+    with pytest.raises(ValueError, match="exclude each other"):
+        type(base)(dataclasses.replace(base.cfg, norm_before_fc=True, fc_norm=True))
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"num_hidden_layers": 2}, "2 decoder layers"),
+    ({"model_type": "qwen3"}, "qwen3 decoder layer"),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0}}, "RoPE type 'llama3'"),
+    ({"layer_types": ["sliding_attention"], "sliding_window": 128}, "sliding-window attention over 128"),
+    ({"mlp_bias": True}, "biases"),
+])
+def test_a_head_draftadapt_cannot_be_is_refused_naming_the_option(target, tmp_path, change, match):
+    """A speculators config draftadapt's head would silently differ from is refused at import."""
+    path, model = target
+    out = export_eagle3(init_from_target(model, [1, 2, 3], 40, None, seed=1), tmp_path / "d", path)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["transformer_layer_config"].update(change)
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(DraftFormatError, match=match):
+        load_eagle3(out, path)
+
+
+def test_a_sliding_window_wider_than_the_targets_context_is_full_attention(target, tmp_path):
+    """speculators' default: every draft layer slides over 2048 positions; on a target of 256 that
+    is full attention, so the head imports."""
+    path, model = target
+    out = export_eagle3(init_from_target(model, [1, 2, 3], 40, None, seed=1), tmp_path / "d", path)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["transformer_layer_config"].update(layer_types=["sliding_attention"], sliding_window=2048,
+                                           use_sliding_window=True)
+    (out / "config.json").write_text(json.dumps(cfg))
+    load_eagle3(out, path)
