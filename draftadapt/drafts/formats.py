@@ -12,7 +12,8 @@ Three layouts, each a directory with ``config.json``, ``model.safetensors`` and 
   with the target's tokenizer.
 
 Everything a loader could otherwise guess is written explicitly: aux layer ids, draft vocab
-size, max positions, ``norm_before_residual`` and which modules are shared with the target
+size, max positions, ``norm_before_residual``, speculators' ``norm_before_fc``, ``fc_norm`` and
+``norm_output``, and which modules are shared with the target
 (always none: a shared ``embed_tokens`` in vLLM is the target's own module, and writing it on a
 draft swap would overwrite the policy; docs/design.md, "Failures other systems shipped").
 """
