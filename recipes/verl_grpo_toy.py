@@ -236,7 +236,8 @@ def run_arm(cfg: VerlToyConfig, paths: dict[str, Path], out: Path, name: str) ->
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *verl_overrides(cfg, paths, out, arm)]
     env = verl_env(cfg)
     env["VERL_FILE_LOGGER_PATH"] = str(arm / "metrics.jsonl")
-    env[POLICY_TAP] = str(arm / "policy_tap.safetensors")
+    if cfg.adapt:  # the adapter's copy reads it; a frozen arm has no adapter, so no file per sync
+        env[POLICY_TAP] = str(arm / "policy_tap.safetensors")
     (arm / "metrics.jsonl").unlink(missing_ok=True)
     print(f"[verl] {name}: python -m verl.trainer.main_ppo ... (log: {arm / 'verl.log'})", flush=True)
     t0 = time.perf_counter()

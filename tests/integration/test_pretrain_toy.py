@@ -111,6 +111,7 @@ def test_regenerated_data_do_not_depend_on_the_host_generator(eagle3_run, toy_ta
 
     from draftadapt.config import load_config
     from draftadapt.pretrain import PretrainConfig, _regenerate_data
+    from draftadapt.toy.world import TOY
 
     cfg = load_config(PretrainConfig, REPO / "recipes/pretrain_eagle3_toy.yaml",
                       [f"target={toy_target}", f"out={tmp_path / 'out'}", *SMALL])
@@ -119,6 +120,6 @@ def test_regenerated_data_do_not_depend_on_the_host_generator(eagle3_run, toy_ta
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(123)
         torch.rand(1000)
-        _regenerate_data(cfg, Path(toy_target), data)
+        _regenerate_data(cfg, Path(toy_target), data, TOY)
     for name in ("train.jsonl", "heldout.jsonl"):
         assert (data / name).read_bytes() == (eagle3_run[0] / "pretrain/data" / name).read_bytes(), name

@@ -38,10 +38,12 @@ def test_verl_grpo_with_the_draft_adapted(toy_target, tmp_path):
     assert len(rows) == 2
     for r in rows:
         assert r["draftadapt/draft/integrity_ok"] == 1.0 and r["draftadapt/refused"] == 0.0
-    # step 1: the store's first version (the starting draft) swapped into the replica; the round
-    # of step 1 or 2 trains the random head past itself and publishes, and the replica serves it
-    assert rows[0]["draftadapt/swaps"] == 1.0 and rows[0]["draftadapt/draft_version"] == 1.0
-    assert sum(r["draftadapt/adapt/published"] for r in rows) >= 1
-    assert max(r.get("draftadapt/draft_version", 0) for r in rows) >= 2
+    # step 1: the replica takes the store's newest version: its first (the starting draft), or the
+    # one step 1's round published; a round trains the random head past itself and publishes
+    # (versions 2, 3, ...), and the replica serves the newest after each step
+    published = sum(r["draftadapt/adapt/published"] for r in rows)
+    assert rows[0]["draftadapt/swaps"] == 1.0 and rows[0]["draftadapt/draft_version"] >= 1.0
+    assert published >= 1
+    assert max(r.get("draftadapt/draft_version", 0) for r in rows) == 1 + published
     store = sorted(p.name for p in (out / "adapted" / "draftadapt" / "drafts").glob("v*"))
     assert len(store) >= 2, store
