@@ -201,12 +201,16 @@ class HandOver(HandedOver):
         mask = attention_mask.bool()
         lengths = mask.sum(-1).tolist()
         starts = mask.int().argmax(-1).tolist()  # first token of each row (0 when right padded)
-        logp = restricted_logp(logits.detach(), self.temperature, self.draft_to_target)
         for i, r in zip(index, rows):
             lo, hi = starts[r], starts[r] + lengths[r]
-            row = {"target_logp": logp[r, lo:hi].clone()}
+            # one row at a time: a float32 log-softmax of the whole micro-batch over a 128k
+            # vocabulary would add B x T x 0.5 MB to the RL trainer's peak memory
+            logp = restricted_logp(logits[r, lo:hi].detach(), self.temperature, self.draft_to_target)
+            # kept in host memory: on a GPU the replay buffer must not hold device memory that the
+            # engine's KV cache and the RL trainer need (docs/design.md, "On a GPU")
+            row = {"target_logp": logp.to("cpu", copy=True)}
             if aux is not None:
-                row["aux_hidden"] = aux[r, lo:hi].to(self.aux_dtype, copy=True)
+                row["aux_hidden"] = aux[r, lo:hi].to("cpu", self.aux_dtype, copy=True)
             self.rows[int(i)] = row
         self._hooks.grabbed.clear()
         self.seconds += time.perf_counter() - t0

@@ -59,6 +59,9 @@ class TrainConfig:
     deepspeed_config: str | None = None  # path to a DeepSpeed JSON config (overrides zero_stage)
     seed: int = 0
     threads: int = 0  # torch intra-op threads for training; 0 = leave torch's default
+    # "auto": bf16 autocast on a CUDA device (float32 master weights and optimizer state, as
+    # always), plain float32 on CPU; "bf16" / "fp32" force one (docs/design.md, "On a GPU").
+    precision: str = "auto"
 
     def validate(self) -> None:
         from draftadapt.config import ConfigError
@@ -78,6 +81,9 @@ class TrainConfig:
         if not 0 < self.ttt_slots <= 1:
             raise ConfigError(f"train.ttt_slots must be in (0, 1] (got {self.ttt_slots}): the share of loss "
                               "positions TTT steps >= 1 run at; 1 = all")
+        if self.precision not in ("auto", "bf16", "fp32"):
+            raise ConfigError(f"train.precision {self.precision!r}: use 'auto' (bf16 autocast on CUDA, float32 on "
+                              "CPU), 'bf16' or 'fp32'")
 
 
 def make_accelerator(cfg: TrainConfig):
@@ -199,6 +205,7 @@ class DraftTrainer:
         self._target_to_draft = t2d  # target id -> draft id, -1 outside the draft vocab
         self.weights = losses.step_weights(cfg.ttt_steps, cfg.step_decay)
         self._slot_rng = torch.Generator().manual_seed(cfg.seed)  # TTT slot draws (cfg.ttt_slots)
+        self.precision = cfg.precision if cfg.precision != "auto" else ("bf16" if self.device.type == "cuda" else "fp32")
         self.step = 0  # optimizer steps taken
 
     # ------------------------------------------------------------------ properties
@@ -246,6 +253,13 @@ class DraftTrainer:
         slots = draw.masked_fill(~loss_mask, -1.0).topk(m, dim=1).indices.sort(dim=1).values
         return slots, loss_mask.gather(1, slots)
 
+    def _autocast(self):
+        """The forward's precision: bf16 autocast (matmuls in bf16, reductions and the weights in
+        float32) or none."""
+        if self.precision == "bf16":
+            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
     def _loss(self, batch: CapturedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[torch.Tensor]]:
         labels = self._sampled_draft_ids(batch.input_ids) if self.cfg.loss == "ce" else None
         loss, per_step, accs, steps = self.method.loss(self.model, batch, self.cfg, self.weights, labels, self._slots)
@@ -266,7 +280,8 @@ class DraftTrainer:
     def _train_step(self, batch: CapturedBatch) -> dict[str, float]:
         batch = batch.to(self.device)
         self.model.train()
-        loss, parts, steps = self._loss(batch)
+        with self._autocast():
+            loss, parts, steps = self._loss(batch)
         self.accelerator.backward(loss)
         grad_norm = torch.zeros(())
         if self.cfg.grad_clip and not self.is_deepspeed:  # DeepSpeed clips from its own config
@@ -329,7 +344,8 @@ class DraftTrainer:
         (stats over the starts vLLM visits, stats over every start), summed over ranks.
         """
         self.model.eval()
-        visited, uniform = _score(self.method, self.model, batches, k, self._vocab_ids, self.device)
+        with self._autocast():
+            visited, uniform = _score(self.method, self.model, batches, k, self._vocab_ids, self.device)
         self.model.train()
         v = self.accelerator.reduce(visited.to_tensor().to(self.device), reduction="sum").cpu()
         u = self.accelerator.reduce(uniform.to_tensor().to(self.device), reduction="sum").cpu()
