@@ -52,8 +52,13 @@ class Publisher:
                                meta={"policy_version": int(policy_version), "version": version})
 
         version, _ = self.store.publish(write, policy_version=int(policy_version))
-        self.live = module.eval()
+        self.live = self._on_trainer_device(module)
         return version
+
+    def _on_trainer_device(self, module: nn.Module) -> nn.Module:
+        """The live draft is scored against every round's candidate: on a GPU trainer it stays on
+        the GPU (scoring an 8B-sized head on the host would take minutes; docs/design.md, "On a GPU")."""
+        return module.eval().to(self.trainer.device)
 
     def publish(self, policy_version: int) -> int:
         """The trainer's current draft as the next version, with the trainer state beside it."""
@@ -77,7 +82,7 @@ class Publisher:
                        f"{self.store.out_dir} holds drafts built",
                        f"give this run (policy {self.policy_dir}) its own output directory")
         with torch.random.fork_rng(devices=[]):
-            self.live = load(latest.path).eval()
+            self.live = self._on_trainer_device(load(latest.path))
         self.trainer.reset_to(self.live)
         resumed_from = "published"
         try:

@@ -175,7 +175,7 @@ def bench_handover(size: str, seqs: int, seq_len: int, device: str) -> dict:
     if device == "cuda":
         torch.cuda.empty_cache()
     return {"size": size, "seq_len": seq_len, "handover_ms_per_seq": round(add_s / seqs * 1e3, 1),
-            "host_mb_per_seq": round(host_mb, 1), "host_gb_s": round(host_mb * seqs / 1024 / add_s, 2)}
+            "host_mb_per_seq": round(host_mb, 3), "host_gb_s": round(host_mb * seqs / 1024 / add_s, 2)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,6 +12,10 @@ mkdir -p "$out"
 py=${PYTHON:-python3}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 export DRAFTADAPT_TEST_CACHE=${DRAFTADAPT_TEST_CACHE:-$PWD/.cache/tests}
+if ! $py -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  echo "gpu_check: $py sees no CUDA device; these checks need a GPU (the CPU suite is bash scripts/test.sh)" >&2
+  exit 2
+fi
 sizes=1b,8b steps=5
 [[ ${1:-} == --quick ]] && sizes=1b steps=2
 

@@ -425,7 +425,8 @@ def score_draft(draft: nn.Module, batches: Iterable[CapturedBatch], k: int) -> t
     method = method_for(draft)
     if isinstance(draft, (Eagle3TTT, DraftLMForward)):
         draft = method.unwrap(draft)  # a module wrapped for training: score the draft inside it
-    return _score(method, method.wrap(draft, k), batches, k, method.vocab_ids(draft))
+    device = next(draft.parameters()).device  # scored where it lives (a GPU trainer's draft on the GPU)
+    return _score(method, method.wrap(draft, k), batches, k, method.vocab_ids(draft), device)
 
 
 @torch.no_grad()

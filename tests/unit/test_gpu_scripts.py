@@ -1,0 +1,45 @@
+"""The GPU section's commands on a machine without one: gpu_check.sh says it needs a GPU (exit 2,
+nothing half run), and bench_adapter.py runs its toy size on CPU with the same code path."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_gpu_check_refuses_without_cuda(tmp_path):
+    env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable)
+    r = subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=REPO, env=env, capture_output=True, text=True)
+    assert r.returncode == 2, r.stderr
+    assert "no CUDA device" in r.stderr and "scripts/test.sh" in r.stderr
+    assert not (tmp_path / "gpu_tests.log").exists()
+
+
+def test_bench_adapter_toy_on_this_machine():
+    r = subprocess.run([sys.executable, "scripts/bench_adapter.py", "--sizes", "toy", "--precisions", "fp32,bf16",
+                        "--slots", "1.0,0.25", "--seqs", "2", "--seq-len", "32", "--steps", "1", "--handover",
+                        "--json"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert [(row["precision"], row["ttt_slots"]) for row in out["rows"]] == \
+        [("fp32", 1.0), ("fp32", 0.25), ("bf16", 1.0), ("bf16", 0.25)]
+    for row in out["rows"]:
+        assert row["step_ms"] > 0 and row["tokens_per_step"] == 64 and row["loss"] > 0, row
+        assert row["round_s"] >= row["publish_ms"] / 1e3, row
+    # toy widths: 32 tokens x (256 draft log-probs float32 + 3 x 64 aux bf16) per sequence
+    assert out["handover"][0]["host_mb_per_seq"] == pytest.approx(32 * (256 * 4 + 192 * 2) / 2**20, abs=1e-3)
+
+
+def test_bench_adapter_names_a_bad_size():
+    r = subprocess.run([sys.executable, "scripts/bench_adapter.py", "--sizes", "70b"], cwd=REPO,
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "70b" in r.stderr and "known sizes" in r.stderr
