@@ -268,7 +268,7 @@ class DraftAdapter:
         self.resumed_from = "start"
         if latest is None:
             # the starting draft is version 0 of this run: what the engine serves before any swap
-            self.publisher.write(self.trainer.export_draft(), policy_version)
+            self.publisher.write_trainer(policy_version)
         else:
             self.resumed_from = self.publisher.resume(
                 latest, lambda path: _load_draft(path, self.policy_dir, self.method)[0])

@@ -44,16 +44,23 @@ class Publisher:
         self.resume_path = store.out_dir / RESUME_FILE
         self.live: nn.Module | None = None
 
-    def write(self, module: nn.Module, policy_version: int) -> int:
+    def write(self, module: nn.Module, policy_version: int, live: nn.Module | None = None) -> int:
         """``module`` as the next version, tagged with the policy version it was trained against;
-        it becomes the live draft. Returns the version."""
+        it (or ``live``, the same weights on the trainer's device) becomes the live draft.
+        Returns the version."""
         def write(tmp: Path, version: int) -> None:
             self.method.export(module, tmp, self.policy_dir, fmt=self.format, num_speculative_tokens=self.k,
                                meta={"policy_version": int(policy_version), "version": version})
 
         version, _ = self.store.publish(write, policy_version=int(policy_version))
-        self.live = self._on_trainer_device(module)
+        self.live = self._on_trainer_device(module) if live is None else live.eval()
         return version
+
+    def write_trainer(self, policy_version: int) -> int:
+        """The trainer's current draft as the next version (:meth:`write`); on a GPU the live
+        draft is a copy made on the device, not the exported host copy moved back."""
+        on_host = self.trainer.device.type == "cpu"
+        return self.write(self.trainer.export_draft(), policy_version, live=None if on_host else self.trainer.live_copy())
 
     def _on_trainer_device(self, module: nn.Module) -> nn.Module:
         """The live draft is scored against every round's candidate: on a GPU trainer it stays on
@@ -62,7 +69,7 @@ class Publisher:
 
     def publish(self, policy_version: int) -> int:
         """The trainer's current draft as the next version, with the trainer state beside it."""
-        version = self.write(self.trainer.export_draft(), policy_version)
+        version = self.write_trainer(policy_version)
         self._save_resume(version)
         return version
 

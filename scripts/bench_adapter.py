@@ -15,7 +15,8 @@ rollout gives), the default three-step training-time test at each ``--slots`` sh
   parameters (6 per parameter per token per TTT position; attention's T^2 term left out) per second;
 - peak_gib: peak device memory of the step (CUDA only);
 - score_ms: the simulated acceptance of one held-out batch (what the gate runs each round);
-- publish_ms: the trained head to host memory, written as bf16 safetensors, sha256 of the file.
+- publish_ms: the trained head to host memory (and a copy on the device, the live draft the gate
+  scores), written as bf16 safetensors, sha256 of the file.
 
 ``--handover`` also times ``HandOver.add`` (what the RL trainer's step pays per micro-batch).
 
@@ -123,6 +124,8 @@ def bench_one(size: str, precision: str, slots: float, batch, steps: int) -> dic
     with tempfile.TemporaryDirectory() as d:
         t0 = time.perf_counter()
         draft = trainer.export_draft()
+        if cuda:
+            trainer.live_copy()  # the publisher's live draft, copied on the device
         path = Path(d) / "model.safetensors"
         save_file(eagle3_state_dict(draft, "speculators", "bfloat16"), str(path))
         file_sha256(path)

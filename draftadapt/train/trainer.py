@@ -219,12 +219,24 @@ class DraftTrainer:
         """A full-weight CPU copy of the draft for export (gathers ZeRO-3 partitions; all ranks call it)."""
         import copy
 
+        if not self.is_deepspeed:
+            # the weights are whole here: copy on the device, then one copy to the host
+            return copy.deepcopy(self.draft).cpu().eval()
         state = self.accelerator.get_state_dict(self.model)  # names of the wrapper: head.* / model.*
         draft = copy.deepcopy(self.draft).cpu()
         prefix = self.method.wrapper_prefix
         if state is not None:
             draft.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
         return draft.eval()
+
+    def live_copy(self) -> nn.Module:
+        """A copy of the draft as it stands, on the trainer's device, for scoring (no round trip
+        through host memory unless ZeRO-3 holds it in partitions)."""
+        import copy
+
+        if self.is_deepspeed:
+            return self.export_draft().to(self.device)
+        return copy.deepcopy(self.draft).eval()
 
     @property
     def device(self) -> torch.device:
