@@ -2,7 +2,7 @@
 k chosen per batch size from the fitted step-cost model (draftadapt/metrics/kcost.py).
 
 Small on purpose (two engines, 4 and 8 prompts, 32 tokens, one generation per cell): this checks
-the path and the JSON, not the speed; the README's table is the measurement.
+the path and the JSON, not the speed; docs/results.md's table is the measurement.
 """
 
 from __future__ import annotations

@@ -28,14 +28,14 @@ def test_eval_prints_one_json_object_with_the_keys(trained_head, toy_target):
     assert len(result["per_position_acceptance"]) == 3
     measured, simulated = result["acceptance_length_measured"], result["acceptance_length_simulated"]
     # Measured here (32 prompts x 64 tokens, k=3): an untrained head 1.02, this 30-step head 1.77
-    # (a fully pretrained one 3.56, README). The bar is halfway: a draft that is not the one
+    # (a fully pretrained one 3.56, docs/results.md). The bar is halfway: a draft that is not the one
     # trained (lost weights, EAGLE vs Eagle-3 mismatch) serves without an error and lands near 1.0.
     assert measured > 1.4 and simulated > 1.4, (measured, simulated)
     pos = result["per_position_acceptance"]  # measured: position i counts only after 0..i-1 were accepted
     assert pos[0] >= pos[1] >= pos[2] and measured == pytest.approx(1.0 + sum(pos), abs=1e-3)
     # The offline estimate models what vLLM does (greedy drafts, walk over visited starts) on the
     # same rollouts, so only float near-ties between vLLM's kernels and HF's differ: measured 0.03%
-    # apart here, 0.3% (Eagle-3) and 1.4% (draft LM) for pretrained drafts (README). 3% is twice
+    # apart here, 0.3% (Eagle-3) and 1.4% (draft LM) for pretrained drafts (docs/results.md). 3% is twice
     # the worst seen; a scorer that walks other starts than vLLM's is off by more (all starts:
     # 1.69 against 1.77 here).
     assert simulated == pytest.approx(measured, rel=0.03)
