@@ -62,7 +62,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, help="DemoConfig.seed")
     demo.add_argument("--toy", help="reuse a toy target built by `toy build` (DemoConfig.toy)")
     demo.add_argument("overrides", nargs="*",
-                      help="key=value overrides of draftadapt/toy/grpo.py's DemoConfig (the flags win)")
+                      help="key=value overrides of draftadapt/toy/demo_config.py's DemoConfig (the flags win)")
 
     toy = sub.add_parser("toy", help="the embedded toy RL world")
     toy_sub = toy.add_subparsers(dest="toy_command", required=True)

@@ -27,12 +27,12 @@ def run_drafts(run: Path):
     """The demo's config (its DemoConfig, as the run saved it) and its drafts by arm."""
     from draftadapt.config import load_config
     from draftadapt.data.store import DraftStore
-    from draftadapt.toy import grpo as recipe
+    from draftadapt.toy.demo_config import DemoConfig
 
     cfg_file = run / "config.yaml"
     if not cfg_file.is_file():
         raise SystemExit(f"error: {cfg_file} not found: --run takes the --out DIR of a finished `draftadapt demo`")
-    cfg = load_config(recipe.DemoConfig, cfg_file)
+    cfg = load_config(DemoConfig, cfg_file)
     if not (run / "final_policy" / "config.json").is_file():
         raise SystemExit(f"error: {run / 'final_policy'} is missing: the demo did not finish; rerun it")
     latest = DraftStore(run / "drafts", readonly=True).latest()
@@ -41,7 +41,7 @@ def run_drafts(run: Path):
     drafts = {"frozen": Path(cfg.draft or run / "draft0"), "adapted": latest.path}
     if (run / "draft_fresh_final" / "draftadapt.json").is_file():
         drafts["fresh"] = run / "draft_fresh_final"
-    return recipe, cfg, drafts
+    return cfg, drafts
 
 
 def main() -> int:
@@ -63,10 +63,11 @@ def main() -> int:
     import torch
 
     from draftadapt.engine.rollout import RolloutEngine
+    from draftadapt.toy import arms as demo_arms
     from draftadapt.toy.task import load_heldout
 
     run = Path(args.run)
-    recipe, cfg, drafts = run_drafts(run)
+    cfg, drafts = run_drafts(run)
     if args.max_tokens is not None:
         cfg.eval.max_tokens = args.max_tokens
     toy = Path(cfg.toy or run / "toy")
@@ -76,7 +77,7 @@ def main() -> int:
 
     def measure(engine, draft=None) -> tuple[int, float, float]:
         # the demo's own measurement: its sampling settings and eval seed, the GC held off
-        m = recipe.measure(engine, prompts, cfg) if draft is None else recipe.measure_draft(engine, draft, prompts, cfg)
+        m = demo_arms.measure(engine, prompts, cfg) if draft is None else demo_arms.measure_draft(engine, draft, prompts, cfg)
         return m["tokens"], m["seconds"], m["acceptance_length"]
 
     plain = RolloutEngine(policy, None, threads=threads, seed=0)

@@ -21,9 +21,9 @@ CACHE = Path(os.environ.get("DRAFTADAPT_TEST_CACHE", REPO / ".cache" / "tests"))
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
-# toy/grpo.py is the world's RL run, not part of what the targets are built from: editing the
+# toy/grpo.py (and its demo_config, arms, summary) is the world's RL run, not part of what the targets are built from: editing the
 # demo's loop rebuilds no cached target
-NOT_BUILT_FROM = {"grpo.py"}
+NOT_BUILT_FROM = {"grpo.py", "demo_config.py", "arms.py", "summary.py"}
 
 
 def _source_hash(*dirs: Path) -> str:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import gc
 import json
 import random
 import signal
@@ -25,202 +24,24 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
-from draftadapt.adapter import AdapterConfig, DraftAdapter, ScheduleConfig, ValidateConfig
+from draftadapt.adapter import DraftAdapter
 from draftadapt.boundary import StepBoundary
-from draftadapt.config import ConfigError, load_config, pass_down, save_config
+from draftadapt.config import load_config, save_config
 from draftadapt.data.sequences import as_sequences, collate
 from draftadapt.drafts.formats import META_FILE
-from draftadapt.drafts.spec import spec_for
 from draftadapt.engine.remote import EngineProcess
-from draftadapt.engine.rollout import DraftSwapError, RolloutEngine
+from draftadapt.engine.rollout import RolloutEngine
 from draftadapt.metrics.logger import make_logger
-from draftadapt.online_k import OnlineK, OnlineKConfig, schedule_text
-from draftadapt.toy import PRETRAIN_RECIPE, task
+from draftadapt.online_k import OnlineK, schedule_text
+from draftadapt.toy import task
+from draftadapt.toy.arms import FIXED_K_ARM, compare_k, measure, measure_arms, measure_fixed_k, measure_fresh
+from draftadapt.toy.demo_config import demo_adapter, demo_pretrain_overrides, DemoConfig, GRPOConfig
+from draftadapt.toy.summary import fleet_summary, load_baseline, load_sync, plot, summarize
 from draftadapt.train.trainer import torch_threads
-
-
-@dataclass
-class GRPOConfig:
-    # RL steps: the last third runs on the drifted policy, where a frozen draft stays low and an
-    # adapted one has had time to catch up (docs/design.md, "The demo's RL settings")
-    steps: int = 18
-    # distinct problems per step; fewer made the gradient too noisy to move the style without
-    # wrecking the arithmetic
-    prompts_per_step: int = 64
-    group_size: int = 4  # samples per problem (GRPO group)
-    max_tokens: int = 96  # response budget
-    temperature: float = 1.0  # the engines sample at it; passed down to adapter.temperature (what the draft matches)
-    # policy learning rate, reached after warmup_steps: the highest that kept the arithmetic on
-    # every seed tried
-    lr: float = 7e-4
-    warmup_steps: int = 3  # linear warmup: Adam's first, sign-like step at full rate cost half the accuracy
-    kl_coef: float = 0.1  # KL(policy || initial policy) per token (k3 estimator), as in GRPO
-    # Reward = correct final answer + style_bonus if the completion uses `style`: the toy target
-    # rarely writes verbose (toy build's SFT stage), so the bonus drifts the policy away from what
-    # its pretrained draft has seen.
-    style: str = "verbose"
-    style_bonus: float = 1.0
-    micro_batch: int = 32  # sequences per forward/backward in the update (gradients accumulate)
-    # Asynchronous loop only (rollouts sampled by an older policy): each response token's
-    # gradient is weighted by min(p_policy / p_sampler, off_policy_clip), the sampler's
-    # probability being the engine's log-prob of the token (truncated importance sampling; at
-    # temperature 1 the engine's raw log-probs are the sampled distribution's). 0 = no weight.
-    off_policy_clip: float = 2.0
-
-    def lr_at(self, step: int) -> float:
-        return self.lr * min(1.0, (step + 1) / (self.warmup_steps + 1))
-
-
-@dataclass
-class EvalConfig:
-    prompts: int = 32  # held-out prompts every arm generates on, every step
-    max_tokens: int = 96
-    seed: int = 1234
-
-
-def toy_adapter() -> AdapterConfig:
-    """The adapter the toy world's RL runs attach (this demo and recipes/trl_grpo_toy.py).
-
-    A round every other RL step: 8 optimizer steps of 16 sequences, the TTT steps >= 1 at a
-    quarter of the positions, 32 held-out rollouts to decide the publish (docs/design.md,
-    "Adapter cost"; chosen from the replay table in the README). The validation gate turns down
-    the early candidates, while the draft is still current, that come out worse than it.
-    """
-    return AdapterConfig(
-        recency_decay=0.25,  # the newest rollouts weigh most: the policy moves fast here
-        schedule=ScheduleConfig(every_n_steps=2, drift_fraction=0.0, train_steps=8),
-        validation=ValidateConfig(max_heldout=32),
-        train=replace(AdapterConfig().train, lr=2e-3, batch_size=16, ttt_slots=0.25))
-
-
-@dataclass
-class DemoConfig:
-    out: str = "runs/demo"
-    toy: str | None = None  # reuse a built toy target (default: OUT/toy, built once)
-    draft: str | None = None  # reuse a pretrained draft (default: OUT/draft0, pretrained once)
-    seed: int = 0
-    # "eagle3": an Eagle-3 head; "mtp": MTP layers of a toy built with `toy build --mtp 1`, served
-    # with vLLM's method="mtp". The fresh reference is pretrained on the final policy's samples by
-    # pretrain_recipe (method= set to this); the draft RL starts from is set by initial_draft.
-    # Passed down to adapter.method.
-    method: str = "eagle3"
-    # Where draft= is not given, the draft RL starts from (and the frozen arm keeps): "pretrain",
-    # pretrained on the toy's own samples like the fresh one; "own" (method=mtp), the target's own
-    # MTP layer as the toy build trained it, what vLLM serves an MTP model with when nobody trains
-    # a draft. The build trained that layer on both answer styles, so RL's drift barely moves it
-    # (docs/design.md, "MTP").
-    initial_draft: Literal["pretrain", "own"] = "pretrain"
-    # The speculative engine's draft length; unset: 3 for an Eagle-3 head, 5 for MTP (on the MTP
-    # toy at the RL batch, k=5 generates 1.10x faster than k=3, and at k=3 its layer accepts near
-    # the ceiling, which hides the drift: docs/design.md, "MTP"). Passed down to adapter.k.
-    k: int | None = None
-    engine_threads: int = 2
-    # Sequences each engine decodes at once (vLLM's max_num_seqs): the RL batch
-    # (grpo.prompts_per_step x group_size) queues behind it. Larger batches are where a draft pays
-    # least on a compute-bound target (docs/design.md, "Choosing k").
-    max_num_seqs: int = 64
-    # how the initial and the fresh reference drafts are pretrained (package data: the demo runs
-    # from any directory)
-    pretrain_recipe: str = str(PRETRAIN_RECIPE)
-    # Prompts those drafts are pretrained on (0 = the recipe's data.num_prompts): few enough that
-    # the draft has seen little of the style RL drifts to (docs/design.md, "The toy world's
-    # proportions").
-    pretrain_prompts: int = 768
-    # At the end, pretrain a fresh draft from scratch on the final policy (same recipe) and measure
-    # it on the same prompts: the reference the adapted draft is held to (issue 4's 95% bar).
-    fresh_final: bool = True
-    fresh_max_minutes: float = 2.5  # training-time guard of that pretrain
-    # Also write every step's rollouts and the policy after it into this spool directory
-    # (draftadapt.spool.SpoolWriter): a recorded run to replay adapter configs on offline
-    # (scripts/replay_adapter.py) or to feed a sidecar. ~20 MB of policy weights per step here.
-    spool: str | None = None
-    # false: the same RL loop with no speculation and no draftadapt (plain vLLM rollouts): the
-    # baseline a user has today. Its summary's end_to_end is what baseline= compares against.
-    spec: bool = True
-    baseline: str | None = None  # a finished spec=false run's OUT: the summary gains the speedup over it
-    # At the last step, also measure the arms at the RL batch (every rollout prompt of that step):
-    # on CPU the speedup falls with the batch size, so the small eval set flatters it.
-    rl_batch_arms: bool = True
-    # Run each adaptation round in a background thread beside the next step's generation and
-    # policy update (DraftAdapter.start_step / finish_step) instead of between steps. It is swapped
-    # in one step later; what it costs is the slower generation and update plus any wait for it.
-    adapter_background: bool = False
-    # Asynchronous RL (docs/design.md, "Asynchronous RL"): 0 = the synchronous loop; L >= 1 =
-    # the rollouts of step t+L are generated in a background thread while step t trains, so the
-    # trainer learns from rollouts of a policy L versions older than its own and the adapter's
-    # round runs beside the generation too.
-    async_lag: int = 0
-    # torch threads of each of the two jobs that run at once in async mode (the generation; the
-    # policy update and the adapter): together no more than the cores, or their OpenMP threads
-    # spin against each other (5-7x slower here). The arms are measured with engine_threads.
-    async_threads: int = 1
-    # a finished synchronous run (async_lag=0, spec=true) on the same world: an async run's summary
-    # sets its step time beside its own
-    sync: str | None = None
-    # The speculative engine's draft length: "fixed" drafts k tokens at every step; "online"
-    # starts it at online_k.k_max with vLLM's per-batch-size k table, measures its step costs at
-    # start and re-chooses the table after every RL step from the RL batch's own acceptance
-    # counters, 0 where no draft pays (docs/design.md, "Online k"). The frozen arm is measured
-    # under the same table.
-    k_policy: Literal["fixed", "online"] = "fixed"
-    online_k: OnlineKConfig = field(default_factory=OnlineKConfig)
-    # k_policy=online, at the last step's RL batch: rounds of no speculation, the online table and
-    # fixed k, interleaved in turn; the fastest generation of each arm counts (this machine's
-    # noise comes in bursts that only slow a generation, up to 20% on one 32-prompt timing)
-    k_compare_repeats: int = 3
-    # Model-free drafters measured on the eval prompts every step beside the other arms, each in
-    # its own engine at k: "ngram" (vLLM's prompt lookup), "suffix" (suffix decoding; needs the
-    # arctic-inference package, docs/design.md "Model-free baselines")
-    baselines: list[Literal["ngram", "suffix"]] = field(default_factory=list)
-    # Rollout engines the RL batch is split over (data parallel, as verl or OpenRLHF hold their
-    # vLLM replicas). 1: one engine in this process. N > 1: N engine actors on a local Ray cluster
-    # kept on one draft version (draftadapt.integrations.ray.DraftFleet), the adapter in an actor of
-    # its own, the arms measured on the fleet; engine_threads are shared among the engines. Needs
-    # the ray extra (`pip install 'draftadapt[ray]'`; scripts/setup.sh installs it).
-    engines: int = 1
-    grpo: GRPOConfig = field(default_factory=GRPOConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    adapter: AdapterConfig = field(default_factory=toy_adapter)
-
-    def __post_init__(self) -> None:
-        if self.k is None:
-            self.k = 5 if self.method == "mtp" else 3
-
-    def validate(self) -> None:
-        if self.k < 1:
-            raise ConfigError(f"k={self.k}: give the number of tokens the draft proposes per step (>= 1), or leave "
-                              "it out for the method's default")
-        if self.async_lag < 0:
-            raise ConfigError(f"async_lag={self.async_lag}: give 0 (synchronous) or the number of policy versions "
-                              "the rollouts may lag the trainer by (>= 1)")
-        if self.async_lag and self.adapter_background:
-            raise ConfigError("async_lag already runs the adapter's round beside the generation; drop "
-                              "adapter_background=true")
-        if self.async_threads < 1:
-            raise ConfigError(f"async_threads={self.async_threads}: give at least 1 torch thread per job")
-        if self.k_compare_repeats < 1:
-            raise ConfigError(f"k_compare_repeats={self.k_compare_repeats}: give at least 1 round")
-        if self.max_num_seqs < 1:
-            raise ConfigError(f"max_num_seqs={self.max_num_seqs}: the engines need room for at least 1 sequence")
-        if self.initial_draft == "own" and not spec_for(self.method).in_target:
-            raise ConfigError(f"initial_draft=own: method={self.method} has no draft inside the target; use "
-                              "initial_draft=pretrain, or method=mtp on an MTP toy")
-        if self.engines < 1:
-            raise ConfigError(f"engines={self.engines}: give the number of rollout engines (>= 1)")
-        if self.engines > 1:
-            clash = {"async_lag": self.async_lag > 0, "adapter_background": self.adapter_background,
-                     "k_policy=online": self.k_policy == "online", "spec=false": not self.spec}
-            on = [name for name, used in clash.items() if used]
-            if on:
-                raise ConfigError(f"engines={self.engines} runs the synchronous Ray fleet; it does not combine with "
-                                  f"{', '.join(on)}: drop those, or use engines=1")
-        if self.sync and not self.async_lag:
-            raise ConfigError("sync= compares an asynchronous run with a synchronous one: set async_lag=1 too")
-        demo_adapter(self)  # adapter.k=4 beside k=3 (or method, temperature) is refused before anything runs
 
 
 def token_logprobs(model, batch: dict, handover=None, index=None) -> torch.Tensor:
@@ -310,127 +131,12 @@ def grpo_update(policy, reference, opt, problems, rollouts, cfg: GRPOConfig, pad
             "rl/style_frac": sum(styled) / len(styled), "rl/loss": pg_sum + cfg.kl_coef * kl_sum, "rl/kl": kl_sum}
 
 
-def train_depth(k: int, ttt_steps: int) -> int:
-    """The TTT depth a draft served at ``k`` is trained to: at least ``k``, since vLLM chains
-    an Eagle-3 head or an MTP layer k times and a step never trained on is only extrapolated
-    (docs/design.md, "MTP"). ``ttt_steps`` (the recipe's or the adapter's) when it is deeper."""
-    return max(ttt_steps, k)
-
-
-def pretrain_overrides(recipe: str | Path, method: str, k: int, prompts: int) -> list[str]:
-    """A toy run's settings over its pretrain ``recipe``: its data size (``prompts``; 0 keeps the
-    recipe's), its ``k``, and a TTT depth of at least k (the recipe's own where it is deeper).
-    Shared by the demo and recipes/trl_grpo_toy.py, so it takes the fields, not a config."""
-    from draftadapt.pretrain import PretrainConfig
-
-    out = [f"data.num_prompts={prompts}"] if prompts else []
-    base = load_config(PretrainConfig, recipe, [f"method={method}"]).train.ttt_steps
-    depth = train_depth(k, base)
-    return out + [f"k={k}"] + ([f"train.ttt_steps={depth}"] if depth != base else [])
-
-
-def demo_pretrain_overrides(cfg: DemoConfig) -> list[str]:
-    return pretrain_overrides(cfg.pretrain_recipe, cfg.method, cfg.k, cfg.pretrain_prompts)
-
-
-def demo_adapter(cfg: DemoConfig) -> AdapterConfig:
-    """cfg.adapter with the demo's method, k and sampling temperature passed down (adapter.method,
-    adapter.k and adapter.temperature are left unset, or agree), trained at least k TTT steps deep."""
-    a = pass_down(cfg.adapter, "adapter", method=("method", cfg.method), k=("k", cfg.k),
-                  temperature=("grpo.temperature", cfg.grpo.temperature))
-    return replace(a, train=replace(a.train, ttt_steps=train_depth(cfg.k, a.train.ttt_steps)))
-
-
 def prepare_world(cfg, out: Path) -> tuple[Path, Path]:
     """The toy target and the draft RL starts from (built once; reused from OUT on a rerun)."""
     from draftadapt.toy.world import prepare_toy_world
 
     return prepare_toy_world(out, cfg.toy, cfg.draft, cfg.seed, cfg.pretrain_recipe, demo_pretrain_overrides(cfg), tag="demo",
                              method=cfg.method, own_draft=cfg.initial_draft == "own")
-
-
-def measure(engine: RolloutEngine, prompts: list[str], cfg: DemoConfig, max_tokens: int | None = None) -> dict:
-    # The engine runs in this process (CPU): a garbage-collector pass over the trainer's heap
-    # inside a ~2 s timing would land on whichever arm it hits. Collect first, then hold it off.
-    gc.collect()
-    gc.disable()
-    try:
-        res = engine.generate(prompts, temperature=cfg.grpo.temperature, max_tokens=max_tokens or cfg.eval.max_tokens,
-                              seed=cfg.eval.seed)
-    finally:
-        gc.enable()
-    out = {"tokens_per_s": res.tokens_per_s, "tokens": res.num_tokens, "seconds": res.seconds,
-           "acceptance_length": res.spec.acceptance_length,  # nan without speculation
-           "per_position": res.spec.per_position_rate}
-    return out
-
-
-def measure_arms(plain: RolloutEngine, spec: RolloutEngine, draft0: Path, prompts: list[str], cfg: DemoConfig,
-                 step: int, max_tokens: int | None = None) -> tuple[dict, dict, dict]:
-    """No speculation, the frozen draft, the adapted draft: same prompts, same policy. The order
-    flips every step (plain first, then last), so a slow drift of this machine's speed does not
-    favour one arm's tokens/s."""
-    if step % 2 == 0:
-        m_plain = measure(plain, prompts, cfg, max_tokens)
-        m_frozen = measure_draft(spec, draft0, prompts, cfg, max_tokens)
-        m_adapted = measure(spec, prompts, cfg, max_tokens)
-    else:
-        m_adapted = measure(spec, prompts, cfg, max_tokens)
-        m_frozen = measure_draft(spec, draft0, prompts, cfg, max_tokens)
-        m_plain = measure(plain, prompts, cfg, max_tokens)
-    return m_plain, m_frozen, m_adapted
-
-
-# k_policy=online: the adapted draft also served at the fixed k, on the same engine, prompts and
-# policy, every step: online k against fixed k measured in one run (two runs' RL trajectories
-# differ with every sample, and their drafts with them).
-FIXED_K_ARM = "adapted_fixed_k"
-
-
-def measure_fixed_k(spec: RolloutEngine, prompts: list[str], cfg: DemoConfig, max_tokens: int | None = None) -> dict:
-    """The live draft at ``cfg.k`` tokens at every batch size: swap the engine's k table, generate,
-    put the online table back."""
-    table = spec.k_schedule
-    spec.set_k_schedule([(1, spec.max_num_seqs, cfg.k)])
-    try:
-        return measure(spec, prompts, cfg, max_tokens)
-    finally:
-        spec.set_k_schedule(table)
-
-
-def compare_k(plain: RolloutEngine, spec: RolloutEngine, prompts: list[str], cfg: DemoConfig,
-              max_tokens: int | None = None) -> dict:
-    """Online k against fixed k on ``prompts``, one engine, one draft, one policy: ``k_compare_repeats``
-    rounds of plain / online table / fixed k, each round starting one arm later; the fastest
-    generation of each arm counts."""
-    arms = {"plain": lambda: measure(plain, prompts, cfg, max_tokens),
-            "online": lambda: measure(spec, prompts, cfg, max_tokens),
-            "fixed_k": lambda: measure_fixed_k(spec, prompts, cfg, max_tokens)}
-    names, best = list(arms), {}
-    for i in range(cfg.k_compare_repeats):
-        for name in names[i % 3:] + names[:i % 3]:
-            m = arms[name]()
-            if name not in best or m["tokens_per_s"] > best[name]["tokens_per_s"]:
-                best[name] = m
-    tps = {name: m["tokens_per_s"] for name, m in best.items()}
-    return {"k": cfg.k, "repeats": cfg.k_compare_repeats, "table": schedule_text(spec.k_schedule),
-            **{f"{name}_tokens_per_s": v for name, v in tps.items()},
-            "online_acceptance_length": best["online"]["acceptance_length"],
-            "fixed_k_acceptance_length": best["fixed_k"]["acceptance_length"],
-            "online_over_plain_tokens_per_s": tps["online"] / tps["plain"],
-            "fixed_k_over_plain_tokens_per_s": tps["fixed_k"] / tps["plain"],
-            "online_over_fixed_k_tokens_per_s": tps["online"] / tps["fixed_k"]}
-
-
-def measure_draft(spec: RolloutEngine, draft: Path, prompts: list[str], cfg: DemoConfig,
-                  max_tokens: int | None = None) -> dict:
-    """Measure another draft in the running engine: swap it in, generate, swap the live one back."""
-    live = spec.draft_dir
-    spec.swap_draft(draft)
-    try:
-        return measure(spec, prompts, cfg, max_tokens)
-    finally:
-        spec.swap_draft(live)
 
 
 @dataclass
@@ -804,48 +510,10 @@ def async_steps(r: Run):
     return rl_batch
 
 
-def fleet_summary(fleet, history: list[dict]) -> dict:
-    """engines=N: per step the draft and policy version each engine served after the boundary,
-    and per broadcast version its size, wall time and any refusals."""
-    rows = [h["fleet/versions"] for h in history if "fleet/versions" in h]
-    return {
-        "engines": len(fleet.names),
-        "served_draft_version_per_step": [r["draft_version"] for r in rows],
-        "policy_version_per_step": [r["policy_version"] for r in rows],
-        "max_skew": max((r["skew"] for r in rows), default=0),
-        "broadcasts": [{"version": w.version, "policy_version": w.policy_version, "nbytes": w.nbytes,
-                        "broadcast_ms": w.broadcast_ms, "refused": w.refused} for w in fleet.swaps],
-        "engine_restarts": fleet.restarts,
-    }
-
-
 def served_policy_version(engine: RolloutEngine) -> int:
     """The policy version the engine's live draft was trained against (0: the starting draft)."""
     meta = json.loads((engine.draft_dir / META_FILE).read_text())
     return int(meta.get("policy_version") or 0)
-
-
-def load_baseline(path: str) -> dict:
-    """A finished ``spec=false`` run's summary (checked before the run starts, not after)."""
-    return load_finished(path, "baseline", "a spec=false run", lambda s: not s.get("spec", True),
-                         "run `draftadapt demo --out DIR spec=false` on the same world and seed")
-
-
-def load_sync(path: str) -> dict:
-    """A finished synchronous run's summary, to set beside an asynchronous one."""
-    return load_finished(path, "sync", "a synchronous spec=true run", lambda s: s.get("spec", True) and "async" not in s,
-                         "run `draftadapt demo --out DIR` (async_lag=0) on the same world and seed")
-
-
-def load_finished(path: str, key: str, what: str, fits, how: str) -> dict:
-    f = Path(path) / "summary.json"
-    if not f.is_file():
-        raise ConfigError(f"{key}={path}: no summary.json there; pass the OUT of a finished run ({how})")
-    s = json.loads(f.read_text())
-    if not fits(s) or "end_to_end" not in s:
-        raise ConfigError(f"{key}={path} is not {what} (its summary has spec={s.get('spec')}, "
-                          f"async={'async' in s}); {how}")
-    return s
 
 
 def save_policy(policy, toy: Path, path: Path) -> None:
@@ -859,158 +527,6 @@ def save_policy(policy, toy: Path, path: Path) -> None:
     for f in toy.iterdir():
         if f.name.startswith(("tokenizer", "special_tokens")) or f.name in ("generation_config.json", "heldout.jsonl"):
             shutil.copy2(f, path / f.name)
-
-
-def measure_fresh(cfg: DemoConfig, out: Path, spec: RolloutEngine, prompts: list[str]) -> dict:
-    """Pretrain a draft from scratch on the final policy (the demo's recipe), swap it into the
-    running engine (which serves the final policy) and measure it on the same prompts."""
-    from draftadapt.pretrain import PretrainConfig, pretrain
-    from draftadapt.toy.world import TOY
-
-    fresh_dir = out / "draft_fresh_final"
-    print(f"[demo] pretraining a fresh draft on the final policy into {fresh_dir} (reference)", flush=True)
-    t0 = time.perf_counter()
-    # The pretrain seeds its data's requests itself; the fork keeps anything else in it that
-    # draws from torch's global generator independent of what ran before in this process (a world
-    # built in it or passed in once gave 3.04 against 2.84 for the same seed-0 run).
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(cfg.seed)
-        pretrain(load_config(PretrainConfig, cfg.pretrain_recipe, [
-            f"target={out / 'final_policy'}", f"out={fresh_dir}", "build_toy=false",
-            f"max_minutes={cfg.fresh_max_minutes}", f"method={cfg.method}",
-            *demo_pretrain_overrides(cfg)]), TOY)
-    seconds = time.perf_counter() - t0
-    try:
-        m = measure_draft(spec, fresh_dir, prompts, cfg)
-    except DraftSwapError:  # a user's draft= of another architecture: serve the fresh one apart
-        engine = RolloutEngine(out / "final_policy", fresh_dir, method=cfg.method, num_speculative_tokens=cfg.k,
-                               threads=cfg.engine_threads, seed=cfg.seed)
-        try:
-            m = measure(engine, prompts, cfg)
-        finally:
-            engine.close()
-    m_adapted = measure(spec, prompts, cfg)
-    return {"acceptance_length": m["acceptance_length"], "per_position": m["per_position"],
-            "tokens_per_s": m["tokens_per_s"], "adapted_final_acceptance": m_adapted["acceptance_length"],
-            "pretrain_seconds": seconds}
-
-
-def throughput(ms: list[dict]) -> float:
-    seconds = sum(m["seconds"] for m in ms)
-    return sum(m["tokens"] for m in ms) / seconds if seconds > 0 else float("nan")
-
-
-def end_to_end(history: list[dict]) -> dict:
-    """Means per RL step of what the user's RL step pays (measurement arms excluded)."""
-    n = max(1, len(history))
-    e = {key: sum(h[f"stage/{key}"] for h in history) / n
-         for key in ("rl_step_s", "gen_s", "exposed_gen_s", "train_s", "adapt_s")}
-    e["gen_share"] = e["gen_s"] / e["rl_step_s"] if e["rl_step_s"] > 0 else float("nan")
-    # in an asynchronous run the adapter shares the step with the generation: no sum leaves it out
-    asynchronous = any("async/engine_version" in h for h in history)
-    e["rl_step_without_adapter_s"] = None if asynchronous else e["gen_s"] + e["train_s"]
-    e["adapt_share"] = e["adapt_s"] / e["rl_step_s"] if e["rl_step_s"] > 0 else float("nan")
-    return e
-
-
-def summarize(cfg: DemoConfig, history: list[dict], arms: dict, seconds: float, fresh: dict | None = None,
-              rl_batch: tuple | None = None, baseline: dict | None = None,
-              sync: dict | None = None) -> dict:
-    n = len(history)
-    last = max(1, n // 3)
-
-    def mean(xs):
-        xs = [x for x in xs if x == x]  # drop nan (a step where nothing was drafted)
-        return sum(xs) / len(xs) if xs else float("nan")
-
-    s = {"steps": n, "seconds": seconds, "spec": cfg.spec, "reward_per_step": [h["rl/reward"] for h in history],
-         "accuracy_per_step": [h["rl/accuracy"] for h in history], "arms": {},
-         "end_to_end": end_to_end(history),
-         "arms_measured_at": f"{cfg.eval.prompts} eval prompts every step"}
-    for name, ms in arms.items():
-        s["arms"][name] = {
-            "acceptance_length_per_step": [m.get("acceptance_length") for m in ms],
-            "mean_tokens_per_s": throughput(ms),
-            "last_third_acceptance": mean([m["acceptance_length"] for m in ms[-last:]]) if name != "plain" else None,
-            # throughput: all tokens over all seconds (a mean of per-step rates over-weights
-            # the short, noisy timings of this 2-core machine)
-            "last_third_tokens_per_s": throughput(ms[-last:]),
-        }
-    if rl_batch is not None:
-        p, f, a = rl_batch[:3]
-        measured = [("plain", p), ("frozen", f), ("adapted", a)]
-        s["rl_batch_arms"] = {
-            "measured_at": f"the last step's {cfg.grpo.prompts_per_step * cfg.grpo.group_size} rollout prompts "
-                           f"(the RL batch), final policy",
-            **{name: {"tokens_per_s": m["tokens_per_s"], "acceptance_length": m["acceptance_length"]}
-               for name, m in measured},
-            **{f"{name}_over_plain_tokens_per_s": m["tokens_per_s"] / p["tokens_per_s"] for name, m in measured[1:]},
-        }
-        if len(rl_batch) > 3:  # k_policy=online: the interleaved comparison (compare_k)
-            s["rl_batch_arms"]["online_vs_fixed_k"] = rl_batch[3]
-    if baseline is not None:
-        b = baseline["end_to_end"]
-        e = s["end_to_end"]
-        s["vs_baseline"] = {
-            "baseline_rl_step_s": b["rl_step_s"],
-            "rl_step_speedup": b["rl_step_s"] / e["rl_step_s"],  # >= 1: the RL run is faster with draftadapt
-            "gen_speedup": b["gen_s"] / e["gen_s"],
-        }
-        if e["rl_step_without_adapter_s"] is not None:
-            s["vs_baseline"]["rl_step_speedup_without_adapter"] = b["rl_step_s"] / e["rl_step_without_adapter_s"]
-    if cfg.async_lag:
-        e = s["end_to_end"]
-        # every generation of the run, the pipeline's fill included (it is in step 0's exposed time)
-        gen_s = e["gen_s"] + sum(h.get("async/fill_s", 0.0) for h in history) / max(1, n)
-        s["async"] = {"lag": cfg.async_lag, "threads_each": cfg.async_threads, "step_s": e["rl_step_s"],
-                      "exposed_gen_s": e["exposed_gen_s"], "gen_s": gen_s,
-                      # the share of the generation hidden behind the policy update and the adapter
-                      "overlap": 1 - e["exposed_gen_s"] / gen_s if gen_s > 0 else float("nan")}
-        if sync is not None:
-            b = sync["end_to_end"]
-            s["async"]["sync"] = {"run": cfg.sync, "step_s": b["rl_step_s"], "exposed_gen_s": b["gen_s"],
-                                  "last_third": sync.get("last_third")}
-            s["async"]["speedup_over_sync"] = b["rl_step_s"] / e["rl_step_s"]
-    if not cfg.spec:
-        return s
-    a, f, p = s["arms"]["adapted"], s["arms"]["frozen"], s["arms"]["plain"]
-    s["last_third"] = {
-        "adapted_over_frozen_acceptance": a["last_third_acceptance"] / f["last_third_acceptance"],
-        "adapted_over_plain_tokens_per_s": a["last_third_tokens_per_s"] / p["last_third_tokens_per_s"],
-    }
-    for name in sorted(set(s["arms"]) - {"plain", "frozen", "adapted"}):  # model-free baselines, fixed k
-        s["last_third"][f"{name}_over_plain_tokens_per_s"] = (s["arms"][name]["last_third_tokens_per_s"]
-                                                              / p["last_third_tokens_per_s"])
-    if FIXED_K_ARM in s["arms"]:
-        s["last_third"]["online_over_fixed_k_tokens_per_s"] = (a["last_third_tokens_per_s"]
-                                                               / s["arms"][FIXED_K_ARM]["last_third_tokens_per_s"])
-    if fresh is not None:
-        s["fresh_final"] = fresh
-        s["last_third"]["adapted_over_fresh_final_acceptance"] = a["last_third_acceptance"] / fresh["acceptance_length"]
-        s["adapted_final_over_fresh_final_acceptance"] = fresh["adapted_final_acceptance"] / fresh["acceptance_length"]
-    return s
-
-
-def plot(history: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    steps = [h["step"] + 1 for h in history]
-    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
-    ax[0].plot(steps, [h["accept/length"] for h in history], "o-", label="adapted draft")
-    ax[0].plot(steps, [h["accept/frozen_length"] for h in history], "s-", label="frozen pretrained draft")
-    ax[0].axhline(1.0, color="gray", ls=":", label="no speculation")
-    ax[0].set_xlabel("RL step")
-    ax[0].set_ylabel("acceptance length (k=3, measured in vLLM)")
-    ax[0].legend()
-    ax[1].plot(steps, [h["rl/reward"] for h in history], "o-", color="C2")
-    ax[1].set_xlabel("RL step")
-    ax[1].set_ylabel("mean reward")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def demo_cli(overrides: list[str]) -> int:

@@ -10,7 +10,7 @@ import pytest
 from draftadapt.cli import DEMO_FLAGS, EVAL_FLAGS, _parser, field_overrides, main, parse_cli
 from draftadapt.config import ConfigError, load_config
 from draftadapt.evaluate import EvaluateConfig
-from draftadapt.toy.grpo import DemoConfig
+from draftadapt.toy.demo_config import DemoConfig
 
 
 def _demo(argv: list[str]) -> DemoConfig:

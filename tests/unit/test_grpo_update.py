@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from draftadapt.toy import grpo, task
+from draftadapt.toy.demo_config import GRPOConfig
 from draftadapt.toy.model import ToyModelConfig, build_model
 from draftadapt.toy.tokenizer import build_tokenizer
 
@@ -43,7 +44,7 @@ def test_kl_term_pulls_toward_the_reference(kl_coef):
             p.add_(0.05 * torch.randn_like(p))
     problems, rollouts = _rollouts(tok, 8, seed=3)
     # every sample of a group gets the same reward: zero advantages, only the KL term acts
-    cfg = grpo.GRPOConfig(group_size=4, kl_coef=kl_coef, style_bonus=0.0, lr=1e-2, warmup_steps=0)
+    cfg = GRPOConfig(group_size=4, kl_coef=kl_coef, style_bonus=0.0, lr=1e-2, warmup_steps=0)
     same = [problems[0]] * len(rollouts)  # one problem for all: rewards equal within each group
     rollouts = [SimpleNamespace(**{**vars(r), "text": "garbage"}) for r in rollouts]
     batch = grpo.collate(grpo.as_sequences(rollouts), 0)
@@ -62,7 +63,7 @@ def test_kl_term_pulls_toward_the_reference(kl_coef):
 
 
 def test_warmup_ramps_the_learning_rate():
-    cfg = grpo.GRPOConfig(lr=8e-4, warmup_steps=3)
+    cfg = GRPOConfig(lr=8e-4, warmup_steps=3)
     assert [cfg.lr_at(s) for s in range(5)] == pytest.approx([2e-4, 4e-4, 6e-4, 8e-4, 8e-4])
 
 
@@ -83,7 +84,7 @@ def test_micro_batches_give_the_update_of_one_batch():
     results = {}
     for micro in (len(rollouts), 5):
         policy = copy.deepcopy(start)
-        cfg = grpo.GRPOConfig(group_size=4, kl_coef=0.5, style_bonus=0.5, lr=1e-2, warmup_steps=0, micro_batch=micro)
+        cfg = GRPOConfig(group_size=4, kl_coef=0.5, style_bonus=0.5, lr=1e-2, warmup_steps=0, micro_batch=micro)
         out = grpo.grpo_update(policy, reference, torch.optim.SGD(policy.parameters(), lr=cfg.lr),
                                  problems, rollouts, cfg, 0, 0)
         results[micro] = (out, torch.cat([p.detach().flatten() for p in policy.parameters()]))

@@ -1,0 +1,131 @@
+"""The demo's measurement arms: no speculation, the frozen draft, the adapted draft (and the fixed-k
+and fresh-draft references) on the same prompts and policy, outside the RL step's time."""
+
+from __future__ import annotations
+
+import gc
+import time
+from pathlib import Path
+
+import torch
+
+from draftadapt.config import load_config
+from draftadapt.engine.rollout import DraftSwapError, RolloutEngine
+from draftadapt.online_k import schedule_text
+from draftadapt.toy.demo_config import demo_pretrain_overrides, DemoConfig
+
+
+def measure(engine: RolloutEngine, prompts: list[str], cfg: DemoConfig, max_tokens: int | None = None) -> dict:
+    # The engine runs in this process (CPU): a garbage-collector pass over the trainer's heap
+    # inside a ~2 s timing would land on whichever arm it hits. Collect first, then hold it off.
+    gc.collect()
+    gc.disable()
+    try:
+        res = engine.generate(prompts, temperature=cfg.grpo.temperature, max_tokens=max_tokens or cfg.eval.max_tokens,
+                              seed=cfg.eval.seed)
+    finally:
+        gc.enable()
+    out = {"tokens_per_s": res.tokens_per_s, "tokens": res.num_tokens, "seconds": res.seconds,
+           "acceptance_length": res.spec.acceptance_length,  # nan without speculation
+           "per_position": res.spec.per_position_rate}
+    return out
+
+def measure_arms(plain: RolloutEngine, spec: RolloutEngine, draft0: Path, prompts: list[str], cfg: DemoConfig,
+                 step: int, max_tokens: int | None = None) -> tuple[dict, dict, dict]:
+    """No speculation, the frozen draft, the adapted draft: same prompts, same policy. The order
+    flips every step (plain first, then last), so a slow drift of this machine's speed does not
+    favour one arm's tokens/s."""
+    if step % 2 == 0:
+        m_plain = measure(plain, prompts, cfg, max_tokens)
+        m_frozen = measure_draft(spec, draft0, prompts, cfg, max_tokens)
+        m_adapted = measure(spec, prompts, cfg, max_tokens)
+    else:
+        m_adapted = measure(spec, prompts, cfg, max_tokens)
+        m_frozen = measure_draft(spec, draft0, prompts, cfg, max_tokens)
+        m_plain = measure(plain, prompts, cfg, max_tokens)
+    return m_plain, m_frozen, m_adapted
+
+# k_policy=online: the adapted draft also served at the fixed k, on the same engine, prompts and
+# policy, every step: online k against fixed k measured in one run (two runs' RL trajectories
+# differ with every sample, and their drafts with them).
+FIXED_K_ARM = "adapted_fixed_k"
+
+def measure_fixed_k(spec: RolloutEngine, prompts: list[str], cfg: DemoConfig, max_tokens: int | None = None) -> dict:
+    """The live draft at ``cfg.k`` tokens at every batch size: swap the engine's k table, generate,
+    put the online table back."""
+    table = spec.k_schedule
+    spec.set_k_schedule([(1, spec.max_num_seqs, cfg.k)])
+    try:
+        return measure(spec, prompts, cfg, max_tokens)
+    finally:
+        spec.set_k_schedule(table)
+
+def compare_k(plain: RolloutEngine, spec: RolloutEngine, prompts: list[str], cfg: DemoConfig,
+              max_tokens: int | None = None) -> dict:
+    """Online k against fixed k on ``prompts``, one engine, one draft, one policy: ``k_compare_repeats``
+    rounds of plain / online table / fixed k, each round starting one arm later; the fastest
+    generation of each arm counts."""
+    arms = {"plain": lambda: measure(plain, prompts, cfg, max_tokens),
+            "online": lambda: measure(spec, prompts, cfg, max_tokens),
+            "fixed_k": lambda: measure_fixed_k(spec, prompts, cfg, max_tokens)}
+    names, best = list(arms), {}
+    for i in range(cfg.k_compare_repeats):
+        for name in names[i % 3:] + names[:i % 3]:
+            m = arms[name]()
+            if name not in best or m["tokens_per_s"] > best[name]["tokens_per_s"]:
+                best[name] = m
+    tps = {name: m["tokens_per_s"] for name, m in best.items()}
+    return {"k": cfg.k, "repeats": cfg.k_compare_repeats, "table": schedule_text(spec.k_schedule),
+            **{f"{name}_tokens_per_s": v for name, v in tps.items()},
+            "online_acceptance_length": best["online"]["acceptance_length"],
+            "fixed_k_acceptance_length": best["fixed_k"]["acceptance_length"],
+            "online_over_plain_tokens_per_s": tps["online"] / tps["plain"],
+            "fixed_k_over_plain_tokens_per_s": tps["fixed_k"] / tps["plain"],
+            "online_over_fixed_k_tokens_per_s": tps["online"] / tps["fixed_k"]}
+
+def measure_draft(spec: RolloutEngine, draft: Path, prompts: list[str], cfg: DemoConfig,
+                  max_tokens: int | None = None) -> dict:
+    """Measure another draft in the running engine: swap it in, generate, swap the live one back."""
+    live = spec.draft_dir
+    spec.swap_draft(draft)
+    try:
+        return measure(spec, prompts, cfg, max_tokens)
+    finally:
+        spec.swap_draft(live)
+
+def measure_fresh(cfg: DemoConfig, out: Path, spec: RolloutEngine, prompts: list[str]) -> dict:
+    """Pretrain a draft from scratch on the final policy (the demo's recipe), swap it into the
+    running engine (which serves the final policy) and measure it on the same prompts."""
+    from draftadapt.pretrain import PretrainConfig, pretrain
+    from draftadapt.toy.world import TOY
+
+    fresh_dir = out / "draft_fresh_final"
+    print(f"[demo] pretraining a fresh draft on the final policy into {fresh_dir} (reference)", flush=True)
+    t0 = time.perf_counter()
+    # The pretrain seeds its data's requests itself; the fork keeps anything else in it that
+    # draws from torch's global generator independent of what ran before in this process (a world
+    # built in it or passed in once gave 3.04 against 2.84 for the same seed-0 run).
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        pretrain(load_config(PretrainConfig, cfg.pretrain_recipe, [
+            f"target={out / 'final_policy'}", f"out={fresh_dir}", "build_toy=false",
+            f"max_minutes={cfg.fresh_max_minutes}", f"method={cfg.method}",
+            *demo_pretrain_overrides(cfg)]), TOY)
+    seconds = time.perf_counter() - t0
+    try:
+        m = measure_draft(spec, fresh_dir, prompts, cfg)
+    except DraftSwapError:  # a user's draft= of another architecture: serve the fresh one apart
+        engine = RolloutEngine(out / "final_policy", fresh_dir, method=cfg.method, num_speculative_tokens=cfg.k,
+                               threads=cfg.engine_threads, seed=cfg.seed)
+        try:
+            m = measure(engine, prompts, cfg)
+        finally:
+            engine.close()
+    m_adapted = measure(spec, prompts, cfg)
+    return {"acceptance_length": m["acceptance_length"], "per_position": m["per_position"],
+            "tokens_per_s": m["tokens_per_s"], "adapted_final_acceptance": m_adapted["acceptance_length"],
+            "pretrain_seconds": seconds}
+
+def throughput(ms: list[dict]) -> float:
+    seconds = sum(m["seconds"] for m in ms)
+    return sum(m["tokens"] for m in ms) / seconds if seconds > 0 else float("nan")

@@ -1,0 +1,218 @@
+"""The demo's settings: the GRPO run's, the eval arms', the adapter the demo runs with and the
+pretraining recipe's overrides (``DemoConfig`` is what ``draftadapt demo key=value`` sets)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Literal
+
+from draftadapt.adapter import AdapterConfig, ScheduleConfig, ValidateConfig
+from draftadapt.config import ConfigError, load_config, pass_down
+from draftadapt.drafts.spec import spec_for
+from draftadapt.online_k import OnlineKConfig
+from draftadapt.toy import PRETRAIN_RECIPE
+
+
+@dataclass
+class GRPOConfig:
+    # RL steps: the last third runs on the drifted policy, where a frozen draft stays low and an
+    # adapted one has had time to catch up (docs/design.md, "The demo's RL settings")
+    steps: int = 18
+    # distinct problems per step; fewer made the gradient too noisy to move the style without
+    # wrecking the arithmetic
+    prompts_per_step: int = 64
+    group_size: int = 4  # samples per problem (GRPO group)
+    max_tokens: int = 96  # response budget
+    temperature: float = 1.0  # the engines sample at it; passed down to adapter.temperature (what the draft matches)
+    # policy learning rate, reached after warmup_steps: the highest that kept the arithmetic on
+    # every seed tried
+    lr: float = 7e-4
+    warmup_steps: int = 3  # linear warmup: Adam's first, sign-like step at full rate cost half the accuracy
+    kl_coef: float = 0.1  # KL(policy || initial policy) per token (k3 estimator), as in GRPO
+    # Reward = correct final answer + style_bonus if the completion uses `style`: the toy target
+    # rarely writes verbose (toy build's SFT stage), so the bonus drifts the policy away from what
+    # its pretrained draft has seen.
+    style: str = "verbose"
+    style_bonus: float = 1.0
+    micro_batch: int = 32  # sequences per forward/backward in the update (gradients accumulate)
+    # Asynchronous loop only (rollouts sampled by an older policy): each response token's
+    # gradient is weighted by min(p_policy / p_sampler, off_policy_clip), the sampler's
+    # probability being the engine's log-prob of the token (truncated importance sampling; at
+    # temperature 1 the engine's raw log-probs are the sampled distribution's). 0 = no weight.
+    off_policy_clip: float = 2.0
+
+    def lr_at(self, step: int) -> float:
+        return self.lr * min(1.0, (step + 1) / (self.warmup_steps + 1))
+
+@dataclass
+class EvalConfig:
+    prompts: int = 32  # held-out prompts every arm generates on, every step
+    max_tokens: int = 96
+    seed: int = 1234
+
+def toy_adapter() -> AdapterConfig:
+    """The adapter the toy world's RL runs attach (this demo and recipes/trl_grpo_toy.py).
+
+    A round every other RL step: 8 optimizer steps of 16 sequences, the TTT steps >= 1 at a
+    quarter of the positions, 32 held-out rollouts to decide the publish (docs/design.md,
+    "Adapter cost"; chosen from the replay table in the README). The validation gate turns down
+    the early candidates, while the draft is still current, that come out worse than it.
+    """
+    return AdapterConfig(
+        recency_decay=0.25,  # the newest rollouts weigh most: the policy moves fast here
+        schedule=ScheduleConfig(every_n_steps=2, drift_fraction=0.0, train_steps=8),
+        validation=ValidateConfig(max_heldout=32),
+        train=replace(AdapterConfig().train, lr=2e-3, batch_size=16, ttt_slots=0.25))
+
+@dataclass
+class DemoConfig:
+    out: str = "runs/demo"
+    toy: str | None = None  # reuse a built toy target (default: OUT/toy, built once)
+    draft: str | None = None  # reuse a pretrained draft (default: OUT/draft0, pretrained once)
+    seed: int = 0
+    # "eagle3": an Eagle-3 head; "mtp": MTP layers of a toy built with `toy build --mtp 1`, served
+    # with vLLM's method="mtp". The fresh reference is pretrained on the final policy's samples by
+    # pretrain_recipe (method= set to this); the draft RL starts from is set by initial_draft.
+    # Passed down to adapter.method.
+    method: str = "eagle3"
+    # Where draft= is not given, the draft RL starts from (and the frozen arm keeps): "pretrain",
+    # pretrained on the toy's own samples like the fresh one; "own" (method=mtp), the target's own
+    # MTP layer as the toy build trained it, what vLLM serves an MTP model with when nobody trains
+    # a draft. The build trained that layer on both answer styles, so RL's drift barely moves it
+    # (docs/design.md, "MTP").
+    initial_draft: Literal["pretrain", "own"] = "pretrain"
+    # The speculative engine's draft length; unset: 3 for an Eagle-3 head, 5 for MTP (on the MTP
+    # toy at the RL batch, k=5 generates 1.10x faster than k=3, and at k=3 its layer accepts near
+    # the ceiling, which hides the drift: docs/design.md, "MTP"). Passed down to adapter.k.
+    k: int | None = None
+    engine_threads: int = 2
+    # Sequences each engine decodes at once (vLLM's max_num_seqs): the RL batch
+    # (grpo.prompts_per_step x group_size) queues behind it. Larger batches are where a draft pays
+    # least on a compute-bound target (docs/design.md, "Choosing k").
+    max_num_seqs: int = 64
+    # how the initial and the fresh reference drafts are pretrained (package data: the demo runs
+    # from any directory)
+    pretrain_recipe: str = str(PRETRAIN_RECIPE)
+    # Prompts those drafts are pretrained on (0 = the recipe's data.num_prompts): few enough that
+    # the draft has seen little of the style RL drifts to (docs/design.md, "The toy world's
+    # proportions").
+    pretrain_prompts: int = 768
+    # At the end, pretrain a fresh draft from scratch on the final policy (same recipe) and measure
+    # it on the same prompts: the reference the adapted draft is held to (issue 4's 95% bar).
+    fresh_final: bool = True
+    fresh_max_minutes: float = 2.5  # training-time guard of that pretrain
+    # Also write every step's rollouts and the policy after it into this spool directory
+    # (draftadapt.spool.SpoolWriter): a recorded run to replay adapter configs on offline
+    # (scripts/replay_adapter.py) or to feed a sidecar. ~20 MB of policy weights per step here.
+    spool: str | None = None
+    # false: the same RL loop with no speculation and no draftadapt (plain vLLM rollouts): the
+    # baseline a user has today. Its summary's end_to_end is what baseline= compares against.
+    spec: bool = True
+    baseline: str | None = None  # a finished spec=false run's OUT: the summary gains the speedup over it
+    # At the last step, also measure the arms at the RL batch (every rollout prompt of that step):
+    # on CPU the speedup falls with the batch size, so the small eval set flatters it.
+    rl_batch_arms: bool = True
+    # Run each adaptation round in a background thread beside the next step's generation and
+    # policy update (DraftAdapter.start_step / finish_step) instead of between steps. It is swapped
+    # in one step later; what it costs is the slower generation and update plus any wait for it.
+    adapter_background: bool = False
+    # Asynchronous RL (docs/design.md, "Asynchronous RL"): 0 = the synchronous loop; L >= 1 =
+    # the rollouts of step t+L are generated in a background thread while step t trains, so the
+    # trainer learns from rollouts of a policy L versions older than its own and the adapter's
+    # round runs beside the generation too.
+    async_lag: int = 0
+    # torch threads of each of the two jobs that run at once in async mode (the generation; the
+    # policy update and the adapter): together no more than the cores, or their OpenMP threads
+    # spin against each other (5-7x slower here). The arms are measured with engine_threads.
+    async_threads: int = 1
+    # a finished synchronous run (async_lag=0, spec=true) on the same world: an async run's summary
+    # sets its step time beside its own
+    sync: str | None = None
+    # The speculative engine's draft length: "fixed" drafts k tokens at every step; "online"
+    # starts it at online_k.k_max with vLLM's per-batch-size k table, measures its step costs at
+    # start and re-chooses the table after every RL step from the RL batch's own acceptance
+    # counters, 0 where no draft pays (docs/design.md, "Online k"). The frozen arm is measured
+    # under the same table.
+    k_policy: Literal["fixed", "online"] = "fixed"
+    online_k: OnlineKConfig = field(default_factory=OnlineKConfig)
+    # k_policy=online, at the last step's RL batch: rounds of no speculation, the online table and
+    # fixed k, interleaved in turn; the fastest generation of each arm counts (this machine's
+    # noise comes in bursts that only slow a generation, up to 20% on one 32-prompt timing)
+    k_compare_repeats: int = 3
+    # Model-free drafters measured on the eval prompts every step beside the other arms, each in
+    # its own engine at k: "ngram" (vLLM's prompt lookup), "suffix" (suffix decoding; needs the
+    # arctic-inference package, docs/design.md "Model-free baselines")
+    baselines: list[Literal["ngram", "suffix"]] = field(default_factory=list)
+    # Rollout engines the RL batch is split over (data parallel, as verl or OpenRLHF hold their
+    # vLLM replicas). 1: one engine in this process. N > 1: N engine actors on a local Ray cluster
+    # kept on one draft version (draftadapt.integrations.ray.DraftFleet), the adapter in an actor of
+    # its own, the arms measured on the fleet; engine_threads are shared among the engines. Needs
+    # the ray extra (`pip install 'draftadapt[ray]'`; scripts/setup.sh installs it).
+    engines: int = 1
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    adapter: AdapterConfig = field(default_factory=toy_adapter)
+
+    def __post_init__(self) -> None:
+        if self.k is None:
+            self.k = 5 if self.method == "mtp" else 3
+
+    def validate(self) -> None:
+        if self.k < 1:
+            raise ConfigError(f"k={self.k}: give the number of tokens the draft proposes per step (>= 1), or leave "
+                              "it out for the method's default")
+        if self.async_lag < 0:
+            raise ConfigError(f"async_lag={self.async_lag}: give 0 (synchronous) or the number of policy versions "
+                              "the rollouts may lag the trainer by (>= 1)")
+        if self.async_lag and self.adapter_background:
+            raise ConfigError("async_lag already runs the adapter's round beside the generation; drop "
+                              "adapter_background=true")
+        if self.async_threads < 1:
+            raise ConfigError(f"async_threads={self.async_threads}: give at least 1 torch thread per job")
+        if self.k_compare_repeats < 1:
+            raise ConfigError(f"k_compare_repeats={self.k_compare_repeats}: give at least 1 round")
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs={self.max_num_seqs}: the engines need room for at least 1 sequence")
+        if self.initial_draft == "own" and not spec_for(self.method).in_target:
+            raise ConfigError(f"initial_draft=own: method={self.method} has no draft inside the target; use "
+                              "initial_draft=pretrain, or method=mtp on an MTP toy")
+        if self.engines < 1:
+            raise ConfigError(f"engines={self.engines}: give the number of rollout engines (>= 1)")
+        if self.engines > 1:
+            clash = {"async_lag": self.async_lag > 0, "adapter_background": self.adapter_background,
+                     "k_policy=online": self.k_policy == "online", "spec=false": not self.spec}
+            on = [name for name, used in clash.items() if used]
+            if on:
+                raise ConfigError(f"engines={self.engines} runs the synchronous Ray fleet; it does not combine with "
+                                  f"{', '.join(on)}: drop those, or use engines=1")
+        if self.sync and not self.async_lag:
+            raise ConfigError("sync= compares an asynchronous run with a synchronous one: set async_lag=1 too")
+        demo_adapter(self)  # adapter.k=4 beside k=3 (or method, temperature) is refused before anything runs
+
+def train_depth(k: int, ttt_steps: int) -> int:
+    """The TTT depth a draft served at ``k`` is trained to: at least ``k``, since vLLM chains
+    an Eagle-3 head or an MTP layer k times and a step never trained on is only extrapolated
+    (docs/design.md, "MTP"). ``ttt_steps`` (the recipe's or the adapter's) when it is deeper."""
+    return max(ttt_steps, k)
+
+def pretrain_overrides(recipe: str | Path, method: str, k: int, prompts: int) -> list[str]:
+    """A toy run's settings over its pretrain ``recipe``: its data size (``prompts``; 0 keeps the
+    recipe's), its ``k``, and a TTT depth of at least k (the recipe's own where it is deeper).
+    Shared by the demo and recipes/trl_grpo_toy.py, so it takes the fields, not a config."""
+    from draftadapt.pretrain import PretrainConfig
+
+    out = [f"data.num_prompts={prompts}"] if prompts else []
+    base = load_config(PretrainConfig, recipe, [f"method={method}"]).train.ttt_steps
+    depth = train_depth(k, base)
+    return out + [f"k={k}"] + ([f"train.ttt_steps={depth}"] if depth != base else [])
+
+def demo_pretrain_overrides(cfg: DemoConfig) -> list[str]:
+    return pretrain_overrides(cfg.pretrain_recipe, cfg.method, cfg.k, cfg.pretrain_prompts)
+
+def demo_adapter(cfg: DemoConfig) -> AdapterConfig:
+    """cfg.adapter with the demo's method, k and sampling temperature passed down (adapter.method,
+    adapter.k and adapter.temperature are left unset, or agree), trained at least k TTT steps deep."""
+    a = pass_down(cfg.adapter, "adapter", method=("method", cfg.method), k=("k", cfg.k),
+                  temperature=("grpo.temperature", cfg.grpo.temperature))
+    return replace(a, train=replace(a.train, ttt_steps=train_depth(cfg.k, a.train.ttt_steps)))
