@@ -114,6 +114,11 @@ class AdapterConfig:
     # = the adapter's current policy copy (recaptured, one forward per batch). Rollouts observed
     # without a hand-over are always captured against the current policy.
     targets: str = "sampling"
+    # What a hand-over keeps per token (capture.hidden.HANDOVER_STORES): "logp", the log-probs over
+    # the draft vocabulary; "hidden", the output head's input, the log-probs recomputed from the
+    # head when a batch is built (16x less host memory and copying at 8B widths; docs/design.md,
+    # "On a GPU").
+    handover_store: str = "logp"
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     validation: ValidateConfig = field(default_factory=ValidateConfig)  # the gate before a publish
     # old key -> new key: a config.yaml saved before a rename fails naming the new key
@@ -129,6 +134,9 @@ class AdapterConfig:
             raise ConfigError(f"adapter.method {self.method!r}: use one of {', '.join(METHODS)}")
         if self.targets not in ("sampling", "current"):
             raise ConfigError(f"adapter.targets {self.targets!r}: use 'sampling' or 'current'")
+        if self.handover_store not in ("logp", "hidden"):
+            raise ConfigError(f"adapter.handover_store {self.handover_store!r}: use 'logp' (log-probs over the draft "
+                              "vocabulary) or 'hidden' (the output head's input, 16x less at 8B widths)")
         if (self.k is not None and self.k < 1) or (self.temperature is not None and self.temperature <= 0):
             raise ConfigError(f"adapter.k >= 1 and adapter.temperature > 0 (got {self.k}, {self.temperature})")
         self.schedule.validate()  # also when built in code, not only through load_config
@@ -248,7 +256,7 @@ class DraftAdapter:
         self._policy = PolicyCopy(model, self.policy_dir, policy_version)
         self.trainer = DraftTrainer(draft, self.method, self.cfg.train, pad_id=self.pad_id)
         self.capture = self.method.target_capture(self.policy, draft, self.cfg.temperature)
-        self.targets = Targets(self._policy, self.capture, self.cfg.targets)
+        self.targets = Targets(self._policy, self.capture, self.cfg.targets, self.cfg.handover_store)
         self.replay = ReplayBuffer(
             self.cfg.replay_max_tokens, self.cfg.replay_max_bytes, self.cfg.recency_decay,
             holdout_fraction=self.cfg.validation.heldout_fraction, max_heldout=self.cfg.validation.max_heldout,
@@ -338,6 +346,8 @@ class DraftAdapter:
             self.replay.add(s.prompt_ids, s.response_ids, policy_version, extra,
                             source=None if source is None else f"{source}#{i}")
             added += 1
+        self.targets.keep_heads(getattr(handover, "lm_head", None), policy_version,
+                                {it.policy_version for it in self.replay})
         self.trigger.observed()
         return added
 

@@ -18,7 +18,8 @@ rollout gives), the default three-step training-time test at each ``--slots`` sh
 - publish_ms: the trained head to host memory (and a copy on the device, the live draft the gate
   scores), written as bf16 safetensors, sha256 of the file.
 
-``--handover`` also times ``HandOver.add`` (what the RL trainer's step pays per micro-batch).
+``--handover`` also times ``HandOver.add`` (what the RL trainer's step pays per micro-batch), for
+both stores (AdapterConfig.handover_store); ``--no-train`` skips the training rows.
 
 round_s is the adapter's round at its defaults (ScheduleConfig.train_steps optimizer steps, two
 held-out batches, one publish). ``--json`` prints {"device": ..., "rows": [...]}.
@@ -144,10 +145,11 @@ def bench_one(size: str, precision: str, slots: float, batch, steps: int) -> dic
     return row
 
 
-def bench_handover(size: str, seqs: int, seq_len: int, device: str) -> dict:
+def bench_handover(size: str, seqs: int, seq_len: int, device: str, store: str = "logp") -> dict:
     """``HandOver.add`` on one micro-batch of the RL trainer's forward: the per-row log-softmax
-    over the target vocabulary, restricted to the draft's, and both tensors to host memory. The
-    policy is the size's widths with 3 decoder layers (the hooks read layers 1-3), bf16."""
+    over the target vocabulary, restricted to the draft's, and both tensors to host memory
+    (``store="hidden"``: the output head's input and the log-normaliser instead of the log-probs).
+    The policy is the size's widths with 3 decoder layers (the hooks read layers 1-3), bf16."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from draftadapt.capture.hidden import HandOver
@@ -162,7 +164,7 @@ def bench_handover(size: str, seqs: int, seq_len: int, device: str) -> dict:
     ids = torch.randint(0, s["vocab"], (seqs, seq_len), generator=g, device=device)
     mask = torch.ones_like(ids)
     times = []
-    with HandOver(model, [1, 2, 3], torch.arange(s["draft_vocab"]), 1.0) as ho, torch.no_grad():
+    with HandOver(model, [1, 2, 3], torch.arange(s["draft_vocab"]), 1.0, store=store) as ho, torch.no_grad():
         for i in range(3):
             logits = model(input_ids=ids, attention_mask=mask).logits
             _sync()
@@ -177,7 +179,7 @@ def bench_handover(size: str, seqs: int, seq_len: int, device: str) -> dict:
     del model, ho
     if device == "cuda":
         torch.cuda.empty_cache()
-    return {"size": size, "seq_len": seq_len, "handover_ms_per_seq": round(add_s / seqs * 1e3, 1),
+    return {"size": size, "store": store, "seq_len": seq_len, "handover_ms_per_seq": round(add_s / seqs * 1e3, 1),
             "host_mb_per_seq": round(host_mb, 3), "host_gb_s": round(host_mb * seqs / 1024 / add_s, 2)}
 
 
@@ -192,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=5, help="timed optimizer steps per row (after one warm-up)")
     ap.add_argument("--handover", action="store_true",
                     help="also time HandOver.add on one micro-batch of --seqs x --seq-len (a 3-layer policy of each size)")
+    ap.add_argument("--no-train", action="store_true", help="skip the training rows (with --handover: the hand-over alone)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = ap.parse_args(argv)
     sizes = [s for s in args.sizes.split(",") if s]
@@ -210,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     rows = []
-    for size in sizes:
+    for size in [] if args.no_train else sizes:
         batch = random_batch(size, args.seqs, args.seq_len, 0, "cuda" if torch.cuda.is_available() else "cpu")
         for precision in precisions:
             for share in slots:
@@ -226,8 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.handover:
         dev = "cuda" if torch.cuda.is_available() else "cpu"
         for size in sizes:
-            handover.append(bench_handover(size, args.seqs, args.seq_len, dev))
-            print(f"  {json.dumps(handover[-1])}", file=sys.stderr, flush=True)
+            for store in ("logp", "hidden"):
+                handover.append(bench_handover(size, args.seqs, args.seq_len, dev, store))
+                print(f"  {json.dumps(handover[-1])}", file=sys.stderr, flush=True)
     if args.json:
         print(json.dumps({"device": device, "rows": rows, "handover": handover}))
         return 0
@@ -238,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(" | ".join(str(r.get(c, r.get("error") if c == "step_ms" else "-")) for c in cols))
     for h in handover:
-        print(f"hand-over {h['size']}: {h['handover_ms_per_seq']} ms per {h['seq_len']}-token sequence, "
+        print(f"hand-over {h['size']} store={h['store']}: {h['handover_ms_per_seq']} ms per {h['seq_len']}-token sequence, "
               f"{h['host_mb_per_seq']} MB to host memory each ({h['host_gb_s']} GB/s)")
     return 0
 

@@ -110,6 +110,25 @@ def _subset_or_none(model: nn.Module, draft_to_target: torch.Tensor | None) -> t
     return draft_to_target
 
 
+# What a hand-over keeps per token besides the aux states: "logp", the log-probs over the draft
+# vocabulary (Vd floats); "hidden", the output head's input and the log-normaliser (H + 1 values),
+# the log-probs recomputed from the forward's own head rows when a batch is built: 16x less at
+# 8B widths (docs/design.md, "On a GPU").
+HANDOVER_STORES = ("logp", "hidden")
+
+
+def handed_logp(lm_input: torch.Tensor, lse: torch.Tensor, head: tuple[torch.Tensor, torch.Tensor | None],
+                temperature: float) -> torch.Tensor:
+    """[n, H] head inputs, [n, 1] log-normalisers of logits / T over the full vocabulary, and the
+    head's draft-vocabulary rows (weight [Vd, H], bias [Vd] or None) -> [n, Vd] log-probs, as
+    :func:`restricted_logp` gives them from the logits."""
+    weight, bias = head
+    logits = lm_input.float() @ weight.float().T
+    if bias is not None:
+        logits = logits + bias.float()
+    return logits / temperature - lse.float()
+
+
 def restricted_logp(logits: torch.Tensor, temperature: float, draft_to_target: torch.Tensor | None) -> torch.Tensor:
     """[..., Vt] target logits -> [..., Vd] log softmax(logits / T), normalised over the full
     vocabulary, at the draft vocabulary's target ids (all of them when ``draft_to_target`` is None)."""
@@ -123,13 +142,16 @@ class HandedOver:
     """The rows a :class:`HandOver` took, without its hooks: what an adapter in another process
     (a Ray actor) is given. Picklable; ``observe(handover=...)`` takes it as it takes a HandOver."""
 
-    def __init__(self, rows: dict[int, dict[str, torch.Tensor]] | None = None, seconds: float = 0.0):
+    def __init__(self, rows: dict[int, dict[str, torch.Tensor]] | None = None, seconds: float = 0.0,
+                 lm_head: tuple[torch.Tensor, torch.Tensor | None] | None = None):
         self.rows: dict[int, dict[str, torch.Tensor]] = dict(rows or {})
         self.seconds = seconds  # spent in add(): what the hand-over adds to the trainer's pass
+        # store="hidden": the forward's output head at the draft vocabulary's rows (weight, bias)
+        self.lm_head = lm_head
 
     def detach(self) -> "HandedOver":
         """The rows alone (no hooks), to send to an adapter elsewhere."""
-        return HandedOver(self.rows, self.seconds)
+        return HandedOver(self.rows, self.seconds, self.lm_head)
 
     def keep(self, indices: Sequence[int]) -> "HandedOver":
         """Keep only rollouts ``indices``, renumbered 0..len-1 in that order (to observe a subset
@@ -166,19 +188,64 @@ class HandOver(HandedOver):
     """
 
     def __init__(self, model: nn.Module, aux_layer_ids: list[int] | None, draft_to_target: torch.Tensor | None,
-                 temperature: float, aux_dtype: torch.dtype = torch.bfloat16):
+                 temperature: float, aux_dtype: torch.dtype = torch.bfloat16, store: str = "logp"):
         super().__init__()
+        if store not in HANDOVER_STORES:
+            raise ValueError(f"hand-over store {store!r}: use 'logp' (log-probs over the draft vocabulary) or "
+                             "'hidden' (the output head's input; 16x less at 8B widths)")
         self._hooks = _AuxHooks(model, list(aux_layer_ids or []))
         self.draft_to_target = _subset_or_none(model, draft_to_target)
         self.temperature = temperature
         self.aux_dtype = aux_dtype
+        self.store = store
+        self._model = model
+        self._head_hook = None
+        self._head_input: torch.Tensor | None = None
 
     def __enter__(self) -> "HandOver":
         self._hooks.__enter__()
+        if self.store == "hidden":
+            def keep_input(_module, inputs):
+                self._head_input = inputs[0].detach()
+            self._head_hook = self._model.get_output_embeddings().register_forward_pre_hook(keep_input)
         return self
 
     def __exit__(self, *exc) -> None:
         self._hooks.__exit__(*exc)
+        if self._head_hook is not None:
+            self._head_hook.remove()
+            self._head_hook = None
+        self._head_input = None
+
+    def _head_rows(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The output head at the draft vocabulary's rows, in host memory (once per hand-over:
+        the forward's policy is the same for every micro-batch)."""
+        head = self._model.get_output_embeddings()
+        d2t = self.draft_to_target
+        weight = head.weight.detach()
+        bias = getattr(head, "bias", None)
+        if d2t is not None:
+            weight = weight.index_select(0, d2t.to(weight.device))
+            bias = None if bias is None else bias.detach().index_select(0, d2t.to(bias.device))
+        return weight.to("cpu", copy=True), None if bias is None else bias.detach().to("cpu", copy=True)
+
+    def _check_head(self, head_input: torch.Tensor, logits: torch.Tensor, row: int, lo: int, hi: int) -> None:
+        """The logits must be the head applied to its input (no soft-capping or scaling after it),
+        or the log-probs recomputed from the head would not be the policy's: checked on the first
+        tokens of the first row handed over."""
+        hi = min(hi, lo + 8)
+        logits_t = logits[row, lo:hi].detach().float() / self.temperature
+        lse = torch.logsumexp(logits_t, -1, keepdim=True)
+        head = (self.lm_head[0].to(head_input.device), None if self.lm_head[1] is None else self.lm_head[1].to(head_input.device))
+        got = handed_logp(head_input[row, lo:hi], lse, head, self.temperature)
+        want = restricted_logp(logits[row, lo:hi].detach(), self.temperature, self.draft_to_target)
+        # the logits' own rounding: a bf16 forward's logits are exact to about 2^-8 of their size
+        tol = 1e-3 + 4 * torch.finfo(logits.dtype).eps * float(logits_t.abs().max())
+        err = float((got - want).abs().max())
+        if err > tol:
+            raise ValueError(f"hand-over store='hidden': these logits are not the output head applied to its input "
+                             f"(largest log-prob difference {err:.3g} > {tol:.3g} on the first tokens; a soft-capped "
+                             "or scaled output?); use AdapterConfig.handover_store='logp'")
 
     @torch.no_grad()
     def add(self, index: Sequence[int], logits: torch.Tensor, attention_mask: torch.Tensor,
@@ -198,17 +265,31 @@ class HandOver(HandedOver):
                              f"{tuple(logits.shape)} and attention mask {tuple(attention_mask.shape)}; "
                              "pass one index per row")
         aux = self._hooks.aux()
+        head_input = None
+        if self.store == "hidden":
+            head_input = self._head_input
+            if head_input is None or head_input.shape[:2] != logits.shape[:2]:
+                raise RuntimeError("hand-over store='hidden': the output head saw no forward of this batch since the "
+                                   "last add(); call add() right after each forward of the policy")
+            self._head_input = None
         mask = attention_mask.bool()
         lengths = mask.sum(-1).tolist()
         starts = mask.int().argmax(-1).tolist()  # first token of each row (0 when right padded)
         for i, r in zip(index, rows):
             lo, hi = starts[r], starts[r] + lengths[r]
-            # one row at a time: a float32 log-softmax of the whole micro-batch over a 128k
-            # vocabulary would add B x T x 0.5 MB to the RL trainer's peak memory
-            logp = restricted_logp(logits[r, lo:hi].detach(), self.temperature, self.draft_to_target)
             # kept in host memory: on a GPU the replay buffer must not hold device memory that the
             # engine's KV cache and the RL trainer need (docs/design.md, "On a GPU")
-            row = {"target_logp": logp.to("cpu", copy=True)}
+            if head_input is not None:
+                if self.lm_head is None:
+                    self.lm_head = self._head_rows()
+                    self._check_head(head_input, logits, r, lo, hi)
+                lse = torch.logsumexp(logits[r, lo:hi].detach().float() / self.temperature, -1, keepdim=True)
+                row = {"lm_input": head_input[r, lo:hi].to("cpu", copy=True), "lse": lse.to("cpu")}
+            else:
+                # one row at a time: a float32 log-softmax of the whole micro-batch over a 128k
+                # vocabulary would add B x T x 0.5 MB to the RL trainer's peak memory
+                logp = restricted_logp(logits[r, lo:hi].detach(), self.temperature, self.draft_to_target)
+                row = {"target_logp": logp.to("cpu", copy=True)}
             if aux is not None:
                 row["aux_hidden"] = aux[r, lo:hi].to("cpu", self.aux_dtype, copy=True)
             self.rows[int(i)] = row

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from draftadapt.capture.hidden import CapturedBatch, HandOver, TargetCapture
+from draftadapt.capture.hidden import CapturedBatch, HandOver, TargetCapture, handed_logp
 from draftadapt.data.replay import ReplayItem
 from draftadapt.data.sequences import Sequence, collate
 from draftadapt.tensors import all_finite, load_safetensors
@@ -100,8 +100,11 @@ class PolicyCopy:
             if name == "aux_hidden" and t.shape[1] != width:
                 raise ValueError(f"observe: aux_hidden of rollout {i} is {t.shape[1]} wide; this draft reads "
                                  f"aux layers {aux_layer_ids} of the policy, {width} wide together")
+            if name == "lm_input" and t.shape[1] != self.hidden_size:
+                raise ValueError(f"observe: lm_input of rollout {i} is {t.shape[1]} wide; the policy's output head "
+                                 f"reads {self.hidden_size}")
             # log-probs may be -inf
-            finite = all_finite(t) if name == "aux_hidden" else not bool(torch.isnan(t).any())
+            finite = all_finite(t) if name in ("aux_hidden", "lm_input", "lse") else not bool(torch.isnan(t).any())
             if not finite:
                 raise ValueError(f"observe: {name} of rollout {i} holds NaN or Inf; not added")
 
@@ -110,18 +113,37 @@ class Targets:
     """What the draft learns to match for a batch of replay items. ``mode`` "sampling": handed-over
     tensors as they are (the policy that sampled them); "current": captured against the copy."""
 
-    def __init__(self, policy: PolicyCopy, capture: TargetCapture, mode: str):
+    def __init__(self, policy: PolicyCopy, capture: TargetCapture, mode: str, store: str = "logp"):
         self.policy = policy
         self.capture = capture
         self.mode = mode
+        self.store = store
+        # store="hidden": per policy version held in the buffer, the output head the hand-over's
+        # forward ran (draft-vocabulary rows), to recompute its log-probs from
+        self.heads: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
 
     def handover(self, model: nn.Module) -> HandOver:
         """A :class:`HandOver` for the RL trainer's own forward of ``model`` (the draft's aux layers
         and vocabulary, at the capture's temperature)."""
-        return HandOver(model, self.capture.aux_layer_ids, self.capture.draft_to_target, self.capture.temperature)
+        return HandOver(model, self.capture.aux_layer_ids, self.capture.draft_to_target, self.capture.temperature,
+                        store=self.store)
 
     def handed_over(self, it: ReplayItem) -> bool:
-        return self.mode == "sampling" and "target_logp" in it.tensors
+        return self.mode == "sampling" and ("target_logp" in it.tensors or "lm_input" in it.tensors)
+
+    def keep_heads(self, head: tuple[torch.Tensor, torch.Tensor | None] | None, version: int,
+                   versions_held: set[int]) -> None:
+        """A hand-over's head for ``version``; heads of versions the buffer no longer holds go."""
+        if head is not None:
+            self.heads[version] = head
+        for v in [v for v in self.heads if v not in versions_held]:
+            del self.heads[v]
+
+    def _logp(self, it: ReplayItem) -> torch.Tensor:
+        if "target_logp" in it.tensors:
+            return it.tensors["target_logp"]
+        return handed_logp(it.tensors["lm_input"], it.tensors["lse"], self.heads[it.policy_version],
+                           self.capture.temperature)
 
     def batch(self, items: list[ReplayItem]) -> CapturedBatch:
         """One training or scoring batch: the handed-over targets as they are, or captured against
@@ -131,7 +153,7 @@ class Targets:
         if all(self.handed_over(it) for it in items):
             width = batch["input_ids"].shape[1]
             return CapturedBatch(batch["input_ids"], batch["attention_mask"], batch["loss_mask"],
-                                 _pad_rows([it.tensors["target_logp"] for it in items], width),
+                                 _pad_rows([self._logp(it) for it in items], width),
                                  _pad_rows([it.tensors.get("aux_hidden") for it in items], width))
         captured = self.capture.capture(batch)
         if captured.aux is not None:

@@ -467,7 +467,7 @@ class AdapterServer:
     def handover_spec(self) -> dict[str, Any]:
         c = self.adapter.capture
         return {"aux_layer_ids": c.aux_layer_ids, "draft_to_target": c.draft_to_target,
-                "temperature": c.temperature}
+                "temperature": c.temperature, "store": self.adapter.cfg.handover_store}
 
     def observe(self, rollouts, policy_version: int, handover=None, **kwargs) -> int:
         return self.adapter.observe(rollouts, policy_version=policy_version, handover=handover, **kwargs)
@@ -516,7 +516,7 @@ class RemoteAdapter:
         from draftadapt.capture.hidden import HandOver
 
         s = self._spec
-        return HandOver(policy, s["aux_layer_ids"], s["draft_to_target"], s["temperature"])
+        return HandOver(policy, s["aux_layer_ids"], s["draft_to_target"], s["temperature"], store=s["store"])
 
     def observe(self, rollouts, policy_version: int, handover=None, **kwargs) -> int:
         ho = None if handover is None else handover.detach()

@@ -67,7 +67,13 @@ def test_handover_round_on_cuda_keeps_the_buffer_in_host_memory(toy_target, tmp_
     handover_round(toy_target, tmp_path, "cuda")
 
 
-def handover_round(toy_target: Path, tmp_path: Path, device: str) -> None:
+def test_hidden_store_round_on_cuda(toy_target, tmp_path):
+    """The same round with the compact hand-over (the output head's input, log-probs recomputed
+    from the head's rows when a batch is built) from a bf16 policy on the GPU."""
+    handover_round(toy_target, tmp_path, "cuda", store="hidden")
+
+
+def handover_round(toy_target: Path, tmp_path: Path, device: str, store: str = "logp") -> None:
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -78,7 +84,7 @@ def handover_round(toy_target: Path, tmp_path: Path, device: str) -> None:
     from draftadapt.toy.task import sample_problems
     from draftadapt.train.trainer import TrainConfig
 
-    cfg = AdapterConfig(method="eagle3", k=3,
+    cfg = AdapterConfig(method="eagle3", k=3, handover_store=store,
                         train=TrainConfig(lr=3e-3, warmup_steps=0, schedule="constant", batch_size=16),
                         schedule=ScheduleConfig(every_n_steps=1, drift_fraction=0.0, train_steps=20, min_sequences=16))
     adapter = DraftAdapter(toy_target, init_draft(toy_target, "eagle3", tmp_path / "draft0", seed=0),
@@ -100,6 +106,8 @@ def handover_round(toy_target: Path, tmp_path: Path, device: str) -> None:
         adapter.observe(seqs, policy_version=0, handover=ho)
         devices = {t.device.type for it in adapter.replay for t in it.tensors.values()}
         assert devices == {"cpu"}, devices
+        kept = {name for it in adapter.replay for name in it.tensors}
+        assert kept == ({"lm_input", "lse", "aux_hidden"} if store == "hidden" else {"target_logp", "aux_hidden"}), kept
         m = adapter.step()
         assert m["adapt/trained"] == 1.0, m
     # the round's candidate beat the untrained head on held-out rollouts and was published

@@ -135,3 +135,41 @@ def test_handover_refuses_rows_without_a_forward_and_mismatched_indices():
         ho.add([0], logits, batch["attention_mask"])
         with pytest.raises(RuntimeError, match="no forward of the policy ran"):
             ho.add([1], logits, batch["attention_mask"])  # the same logits again: no new forward
+
+
+def test_hidden_store_recomputes_the_same_log_probs_from_the_output_head():
+    """store="hidden" keeps the output head's input (H values a token) and the log-normaliser
+    instead of Vd log-probs; recomputed from the forward's head rows they equal the "logp" store's
+    (float32 model: 1e-5), and a forward whose logits are not the head's output is refused."""
+    from draftadapt.capture.hidden import handed_logp
+
+    model = tiny_target()
+    with torch.no_grad():
+        model.lm_head.bias = torch.nn.Parameter(torch.randn(24))  # a head with a bias, as some models have
+    seqs = [Sequence([1, 2 + i % 3], [4 + j % 9 for j in range(3 + 2 * i)]) for i in range(5)]
+    keep = torch.tensor([0, 3, 5, 7, 9, 11])
+    stores = {}
+    for store in ("logp", "hidden"):
+        ho = HandOver(model, [1, 3], keep, temperature=0.7, aux_dtype=torch.float32, store=store)
+        with ho, torch.no_grad():
+            for idx in ([3, 0], [1, 2, 4]):
+                batch = collate([seqs[i] for i in idx], 0)
+                logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+                ho.add(idx, logits, batch["attention_mask"])
+        stores[store] = ho
+    assert not any(m._forward_pre_hooks for m in model.modules())  # the head's hook is gone after the block
+    head = stores["hidden"].lm_head
+    assert head[0].shape == (6, 32) and head[1].shape == (6,)
+    for s, a, b in zip(seqs, stores["logp"].tensors(5), stores["hidden"].tensors(5)):
+        assert set(b) == {"lm_input", "lse", "aux_hidden"} and b["lm_input"].shape == (len(s), 32)
+        assert b["lse"].shape == (len(s), 1)
+        torch.testing.assert_close(handed_logp(b["lm_input"], b["lse"], head, 0.7), a["target_logp"],
+                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(b["aux_hidden"], a["aux_hidden"], atol=0, rtol=0)
+    batch = collate(seqs[:2], 0)
+    with HandOver(model, [1], keep, temperature=1.0, store="hidden") as ho, torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        with pytest.raises(ValueError, match="not the output head applied to its input"):
+            ho.add([0, 1], 30 * torch.tanh(logits / 30), batch["attention_mask"])  # a soft-capped output
+    with pytest.raises(ValueError, match="'logp'.*'hidden'"):
+        HandOver(model, [1], keep, temperature=1.0, store="logits")

@@ -35,8 +35,12 @@ def test_bench_adapter_toy_on_this_machine():
     for row in out["rows"]:
         assert row["step_ms"] > 0 and row["tokens_per_step"] == 64 and row["loss"] > 0, row
         assert row["round_s"] >= row["publish_ms"] / 1e3, row
-    # toy widths: 32 tokens x (256 draft log-probs float32 + 3 x 64 aux bf16) per sequence
-    assert out["handover"][0]["host_mb_per_seq"] == pytest.approx(32 * (256 * 4 + 192 * 2) / 2**20, abs=1e-3)
+    # toy widths, 32 tokens a sequence: 256 draft log-probs float32, or the head's 64-wide bf16 input
+    # and a float32 log-normaliser; both with 3 x 64 aux states in bf16
+    logp, hidden = out["handover"]
+    assert (logp["store"], hidden["store"]) == ("logp", "hidden")
+    assert logp["host_mb_per_seq"] == pytest.approx(32 * (256 * 4 + 192 * 2) / 2**20, abs=1e-3)
+    assert hidden["host_mb_per_seq"] == pytest.approx(32 * (64 * 2 + 4 + 192 * 2) / 2**20, abs=1e-3)
 
 
 def test_bench_adapter_names_a_bad_size():
