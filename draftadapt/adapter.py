@@ -304,10 +304,13 @@ class DraftAdapter:
 
     # ------------------------------------------------------------------ inputs
 
-    def handover(self, policy) -> HandOver:
+    def handover(self, policy, subset: Sequence[int] | None = None) -> HandOver:
         """A :class:`HandOver` for the RL trainer's own forward over its rollouts (forward hooks on
-        ``policy``'s aux layers; see its docstring): pass it to :meth:`observe` afterwards."""
-        return self.targets.handover(policy)
+        ``policy``'s aux layers; see its docstring): pass it to :meth:`observe` afterwards.
+        ``subset``: the indices of the step's rollouts to keep (the rest are neither copied nor
+        observed): at real sizes a hand-over costs per rollout, and a round trains on a few
+        hundred sequences at most (docs/design.md, "On a GPU")."""
+        return self.targets.handover(policy, subset)
 
     def observe(self, rollouts: Iterable[Any], policy_version: int, handover: HandOver | None = None,
                 hidden_states: Sequence[torch.Tensor] | None = None, source: str | None = None) -> int:
@@ -328,6 +331,7 @@ class DraftAdapter:
         given: list[dict[str, torch.Tensor] | None] = [None] * len(seqs)
         if handover is not None:
             given = list(handover.tensors(len(seqs)))
+            seqs = [seqs[i] for i in handover.chosen(len(seqs))]  # a subset hand-over: only its rollouts
         elif hidden_states is not None:
             hidden_states = list(hidden_states)
             if len(hidden_states) != len(seqs):

@@ -143,15 +143,27 @@ class HandedOver:
     (a Ray actor) is given. Picklable; ``observe(handover=...)`` takes it as it takes a HandOver."""
 
     def __init__(self, rows: dict[int, dict[str, torch.Tensor]] | None = None, seconds: float = 0.0,
-                 lm_head: tuple[torch.Tensor, torch.Tensor | None] | None = None):
+                 lm_head: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+                 subset: Sequence[int] | None = None):
         self.rows: dict[int, dict[str, torch.Tensor]] = dict(rows or {})
         self.seconds = seconds  # spent in add(): what the hand-over adds to the trainer's pass
         # store="hidden": the forward's output head at the draft vocabulary's rows (weight, bias)
         self.lm_head = lm_head
+        # the rollouts it keeps, when chosen up front (None: all): observe takes only these
+        self.subset = None if subset is None else sorted({int(i) for i in subset})
 
     def detach(self) -> "HandedOver":
         """The rows alone (no hooks), to send to an adapter elsewhere."""
-        return HandedOver(self.rows, self.seconds, self.lm_head)
+        return HandedOver(self.rows, self.seconds, self.lm_head, self.subset)
+
+    def chosen(self, n: int) -> list[int]:
+        """The rollout indices (of a step's ``n``) this hand-over is for, in order."""
+        if self.subset is None:
+            return list(range(n))
+        bad = [i for i in self.subset if not 0 <= i < n]
+        if bad:
+            raise ValueError(f"hand-over subset names rollouts {bad[:8]} of a step of {n}; choose among 0..{n - 1}")
+        return self.subset
 
     def keep(self, indices: Sequence[int]) -> "HandedOver":
         """Keep only rollouts ``indices``, renumbered 0..len-1 in that order (to observe a subset
@@ -160,12 +172,14 @@ class HandedOver:
         return self
 
     def tensors(self, n: int) -> list[dict[str, torch.Tensor]]:
-        """Per rollout 0..n-1, in order; every one must have been added."""
-        missing = [i for i in range(n) if i not in self.rows]
+        """Per rollout of :meth:`chosen` (0..n-1 without a subset), in order; every one must have
+        been added."""
+        chosen = self.chosen(n)
+        missing = [i for i in chosen if i not in self.rows]
         if missing:
             raise ValueError(f"hand-over holds no forward output for rollouts {missing[:8]} "
-                             f"({len(missing)} of {n}); add() every micro-batch of the trainer's pass")
-        return [self.rows[i] for i in range(n)]
+                             f"({len(missing)} of {len(chosen)}); add() every micro-batch of the trainer's pass")
+        return [self.rows[i] for i in chosen]
 
 
 class HandOver(HandedOver):
@@ -180,16 +194,18 @@ class HandOver(HandedOver):
                 ...                                   # the trainer's loss and backward, unchanged
         adapter.observe(rollouts, policy_version=v, handover=ho)
 
-    Batches are right padded (``data.sequences.collate``); rows may come in any order and any
-    micro-batch size. Per rollout it keeps the aux states [T, n*H] (``aux_dtype``, bf16 halves
+    ``subset``: the rollout indices to keep (say 64 of a step's 512, chosen at random): the others'
+    rows are not copied, and ``observe`` takes only these rollouts. Batches are right padded
+    (``data.sequences.collate``); rows may come in any order and any micro-batch size. Per rollout it keeps the aux states [T, n*H] (``aux_dtype``, bf16 halves
     memory) and the log-probs [T, Vd] at the engine's sampling temperature over the draft's
     vocabulary: the distribution the policy *sampled these rollouts from*, which is the one the
     draft should match while the engine serves that version (docs/design.md, "Hand-over").
     """
 
     def __init__(self, model: nn.Module, aux_layer_ids: list[int] | None, draft_to_target: torch.Tensor | None,
-                 temperature: float, aux_dtype: torch.dtype = torch.bfloat16, store: str = "logp"):
-        super().__init__()
+                 temperature: float, aux_dtype: torch.dtype = torch.bfloat16, store: str = "logp",
+                 subset: Sequence[int] | None = None):
+        super().__init__(subset=subset)
         if store not in HANDOVER_STORES:
             raise ValueError(f"hand-over store {store!r}: use 'logp' (log-probs over the draft vocabulary) or "
                              "'hidden' (the output head's input; 16x less at 8B widths)")
@@ -275,7 +291,10 @@ class HandOver(HandedOver):
         mask = attention_mask.bool()
         lengths = mask.sum(-1).tolist()
         starts = mask.int().argmax(-1).tolist()  # first token of each row (0 when right padded)
+        keep = None if self.subset is None else set(self.subset)
         for i, r in zip(index, rows):
+            if keep is not None and int(i) not in keep:
+                continue  # not chosen: nothing copied (docs/design.md, "On a GPU")
             lo, hi = starts[r], starts[r] + lengths[r]
             # kept in host memory: on a GPU the replay buffer must not hold device memory that the
             # engine's KV cache and the RL trainer need (docs/design.md, "On a GPU")

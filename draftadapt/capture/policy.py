@@ -122,11 +122,11 @@ class Targets:
         # forward ran (draft-vocabulary rows), to recompute its log-probs from
         self.heads: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
 
-    def handover(self, model: nn.Module) -> HandOver:
+    def handover(self, model: nn.Module, subset=None) -> HandOver:
         """A :class:`HandOver` for the RL trainer's own forward of ``model`` (the draft's aux layers
-        and vocabulary, at the capture's temperature)."""
+        and vocabulary, at the capture's temperature; ``subset``: the rollouts to keep)."""
         return HandOver(model, self.capture.aux_layer_ids, self.capture.draft_to_target, self.capture.temperature,
-                        store=self.store)
+                        store=self.store, subset=subset)
 
     def handed_over(self, it: ReplayItem) -> bool:
         return self.mode == "sampling" and ("target_logp" in it.tensors or "lm_input" in it.tensors)

@@ -512,11 +512,12 @@ class RemoteAdapter:
     def _call(self, name: str, *args, **kwargs):
         return _ray().get(self.actor.call.remote(name, *args, **kwargs))
 
-    def handover(self, policy):
+    def handover(self, policy, subset=None):
         from draftadapt.capture.hidden import HandOver
 
         s = self._spec
-        return HandOver(policy, s["aux_layer_ids"], s["draft_to_target"], s["temperature"], store=s["store"])
+        return HandOver(policy, s["aux_layer_ids"], s["draft_to_target"], s["temperature"], store=s["store"],
+                        subset=subset)
 
     def observe(self, rollouts, policy_version: int, handover=None, **kwargs) -> int:
         ho = None if handover is None else handover.detach()

@@ -173,3 +173,18 @@ def test_hidden_store_recomputes_the_same_log_probs_from_the_output_head():
             ho.add([0, 1], 30 * torch.tanh(logits / 30), batch["attention_mask"])  # a soft-capped output
     with pytest.raises(ValueError, match="'logp'.*'hidden'"):
         HandOver(model, [1], keep, temperature=1.0, store="logits")
+
+
+def test_a_subset_hand_over_copies_and_gives_only_its_rollouts():
+    model = tiny_target()
+    seqs = [Sequence([1, 2], [4 + j for j in range(2 + i)]) for i in range(6)]
+    with HandOver(model, [1], None, temperature=1.0, subset=[4, 1]) as ho, torch.no_grad():
+        for idx in ([0, 1, 2], [3, 4, 5]):
+            batch = collate([seqs[i] for i in idx], 0)
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            ho.add(idx, logits, batch["attention_mask"])
+    assert sorted(ho.rows) == [1, 4] and ho.chosen(6) == [1, 4]
+    rows = ho.tensors(6)
+    assert [r["target_logp"].shape[0] for r in rows] == [len(seqs[1]), len(seqs[4])]
+    with pytest.raises(ValueError, match=r"subset names rollouts \[4\] of a step of 3"):
+        ho.tensors(3)

@@ -50,3 +50,26 @@ def test_both_stores_give_the_same_training_batch(toy_target, tmp_path):
     torch.testing.assert_close(b.aux, a.aux, atol=0, rtol=0)
     tokens = sum(len(q.prompt_ids) + len(q.response_ids) for q in seqs)
     assert nbytes == {"logp": tokens * 64 * 4, "hidden": tokens * (128 * 4 + 4)}, nbytes
+
+
+def test_observe_takes_only_a_subset_hand_overs_rollouts(toy_target, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from draftadapt.adapter import AdapterConfig, DraftAdapter
+    from draftadapt.data.sequences import Sequence, collate
+    from draftadapt.init import init_draft
+    from draftadapt.toy.task import sample_problems
+
+    adapter = DraftAdapter(toy_target, init_draft(toy_target, "eagle3", tmp_path / "draft0", seed=0), tmp_path / "run",
+                           AdapterConfig(method="eagle3"))
+    policy = AutoModelForCausalLM.from_pretrained(str(toy_target), dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(str(toy_target))
+    seqs = [Sequence(tok(p["prompt"]).input_ids, tok(p["response"], add_special_tokens=False).input_ids)
+            for p in sample_problems(8, seed=4)]
+    with adapter.handover(policy, subset=[6, 2, 5]) as ho, torch.no_grad():
+        batch = collate(seqs, adapter.pad_id)
+        logits = policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        ho.add(list(range(8)), logits, batch["attention_mask"])
+    assert adapter.observe(seqs, policy_version=0, handover=ho) == 3
+    held = sorted(tuple(it.token_ids.tolist()) for it in adapter.replay)
+    assert held == sorted(tuple(seqs[i].prompt_ids + seqs[i].response_ids) for i in (2, 5, 6))
