@@ -47,3 +47,13 @@ def test_bench_adapter_names_a_bad_size():
     r = subprocess.run([sys.executable, "scripts/bench_adapter.py", "--sizes", "70b"], cwd=REPO,
                        capture_output=True, text=True)
     assert r.returncode == 2 and "70b" in r.stderr and "known sizes" in r.stderr
+
+
+def test_bench_adapter_handover_alone():
+    """The README's hand-over command (`--handover --no-train`), toy widths."""
+    r = subprocess.run([sys.executable, "scripts/bench_adapter.py", "--sizes", "toy", "--seqs", "2", "--seq-len", "32",
+                        "--handover", "--no-train", "--json"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["rows"] == [] and [h["store"] for h in out["handover"]] == ["logp", "hidden"]
+    assert all(h["handover_ms_per_seq"] >= 0 and h["seq_len"] == 32 for h in out["handover"])
