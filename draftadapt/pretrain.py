@@ -321,13 +321,20 @@ def pretrain(cfg: PretrainConfig, toy: ToyWorld | None = None) -> dict:
     stopped_early = False
     epoch, batch_idx = start_epoch, start_batch
     window: dict[str, float] = {}
+    # The optimizer steps apart from the capture (the target's forward, or a cached shard's read):
+    # what a trainer that reads precomputed states spends per step (scripts/bench_vs_speculators.py).
+    capture_s = step_s = 0.0
+    first_step = trainer.step
     for epoch in range(start_epoch, max(cfg.epochs, start_epoch + 1) if cfg.max_steps <= 0 else 10**9):
         batch_idx = start_batch if epoch == start_epoch else 0
         for b in epoch_plan(len(order), cfg.train.seed, epoch, batch_idx, rank, world):
             if trainer.step >= total:
                 break
+            t0 = time.perf_counter()
             batch = captured(f"train_{b}", [train_seqs[i] for i in order[b]])
+            t1 = time.perf_counter()
             m = trainer.train_step(batch)
+            capture_s, step_s = capture_s + t1 - t0, step_s + time.perf_counter() - t1
             batch_idx += 1
             for name, v in m.items():
                 window[name] = window.get(name, 0.0) + v
@@ -370,6 +377,8 @@ def pretrain(cfg: PretrainConfig, toy: ToyWorld | None = None) -> dict:
         "per_position_acceptance": [round(x, 4) for x in visited.per_position],
         "k": cfg.k,
         "train_seconds": round(train_seconds, 1),
+        "capture_seconds": round(capture_s, 1),
+        "seconds_per_step": round(step_s / max(trainer.step - first_step, 1), 4),
     }
     draft_out = trainer.export_draft()  # every rank: ZeRO-3 gathers the partitions
     if is_main:
