@@ -83,6 +83,11 @@ class DraftConfig:
     aux_layer_ids: list[int] = field(default_factory=list)  # empty: distinct low/mid/high layers
     draft_vocab: int = 0  # Eagle-3 reduced vocabulary (most frequent response tokens); 0 = the target's
     intermediate_size: int = 0  # Eagle-3 MLP width; 0 = the target's (narrower = cheaper drafting)
+    # Eagle-3 norms beyond the original head's, each on by default in speculators' trainer (vLLM
+    # serves all three; docs/design.md, "speculators"):
+    norm_before_residual: bool = False  # the residual is the normed hidden state
+    norm_before_fc: bool = False  # an RMSNorm over the concatenated aux states before fc
+    norm_output: bool = False  # the next speculative step reads norm(x) (Eagle 3.1)
     num_layers: int = 2  # small draft LM only
     hidden_size: int = 128  # small draft LM only
     num_heads: int = 4  # small draft LM only

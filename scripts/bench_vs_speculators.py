@@ -13,7 +13,8 @@ regenerated data, the same head and the same number of optimizer steps; then acc
    child process, one thread) on that data for STEPS steps with its own training defaults (Muon +
    AdamW at lr 1e-3, linear schedule, 1% warmup, grad clip 1, KL over 3 TTT steps) and the head
    draftadapt's recipe trains (one llama layer, MLP 256, the target's whole vocabulary, the same
-   aux layers, the original Eagle-3 norms). What it takes on CPU: ``CPU_SETTINGS`` below.
+   aux layers; ``--head original``: the original Eagle-3 norms, ``--head speculators``: the three
+   norms speculators adds by default, in both trainers). What it takes on CPU: ``CPU_SETTINGS``.
 4. Acceptance length of three drafts in vLLM, one engine each, k=3, T=1, on the target's
    held-out prompts: the untrained head (draftadapt's step 0), draftadapt's, speculators' (its
    last checkpoint imported with ``draftadapt draft init --from``).
@@ -84,10 +85,14 @@ def last_json(stdout: str) -> dict:
 
 # ---------------------------------------------------------------------------------------------- draftadapt
 
+NORMS = ("norm_before_residual", "norm_before_fc", "norm_output")  # speculators' Eagle-3 defaults: all on
+
+
 def pretrain_overrides(args) -> list[str]:
+    norms = [f"draft.{name}={str(args.head == 'speculators').lower()}" for name in NORMS]
     return [f"target={args.toy}", f"max_steps={args.steps}", f"data.num_prompts={args.train_prompts}",
-            f"data.heldout_prompts={args.heldout_prompts}", "max_minutes=0", "threads=1", "checkpoint_every=0",
-            "log=[jsonl]", *args.pretrain_arg]
+            f"data.heldout_prompts={args.heldout_prompts}", f"train.batch_size={args.batch_size}", "max_minutes=0",
+            "threads=1", "checkpoint_every=0", "log=[jsonl]", *norms, *args.pretrain_arg]
 
 
 def draftadapt_pretrain(args, out: Path) -> dict:
@@ -208,6 +213,7 @@ def speculators_train_cpu(argv: list[str], metrics_file: Path) -> None:
 
 
 def speculators_pretrain(args, out: Path, pretrain_data: Path, aux_ids: list[int], intermediate_size: int) -> dict:
+    """speculators' data from draftadapt's sequences, then ``speculators train`` on them -> its numbers."""
     from speculators.train.config import TrainConfig
 
     t0 = time.perf_counter()
@@ -223,8 +229,7 @@ def speculators_pretrain(args, out: Path, pretrain_data: Path, aux_ids: list[int
     argv = ["--speculator-type=eagle3", f"--verifier-name-or-path={args.toy}", f"--data-path={out / 'data'}",
             f"--draft-config={decoder_config(Path(args.toy), out / 'decoder', intermediate_size)}",
             "--target-layer-ids", *map(str, aux_ids),
-            # draftadapt's recipe head: the original Eagle-3 norms (speculators' defaults add three)
-            "--no-norm-before-residual", "--no-norm-before-fc", "--no-norm-output",
+            *([f"--no-{name.replace('_', '-')}" for name in NORMS] if args.head == "original" else []),
             *[flag for flag in CPU_SETTINGS if flag.startswith("--")],
             f"--total-seq-len={total_seq_len}", f"--train-data-ratio={(data['train_rows'] + 0.5) / data['rows']}",
             f"--epochs={epochs}", f"--max-steps={args.steps}", f"--save-path={out / 'checkpoints'}",
@@ -280,6 +285,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=96, help="response budget when serving")
     ap.add_argument("--batch-size", type=int, default=16, help="sequences per draftadapt step; speculators "
                     "packs as many tokens on average into its one row")
+    ap.add_argument("--head", choices=["original", "speculators"], default="original",
+                    help="the head both train: draftadapt's recipe (the original Eagle-3 norms) or with "
+                    "the three norms speculators' trainer adds by default")
     ap.add_argument("--data", type=Path, help="regenerated data of an earlier run (OUT/draftadapt/pretrain/data)")
     ap.add_argument("--pretrain-arg", action="append", default=[], help="extra draftadapt pretrain key=value")
     ap.add_argument("--speculators-arg", action="append", default=[], help="extra speculators train flag")
@@ -292,7 +300,6 @@ def main() -> None:
         return
     if args.toy is None or args.out is None or not (args.toy / "config.json").is_file():
         ap.error("--toy DIR (a built toy target: draftadapt toy build --out DIR) and --out DIR are required")
-    args.pretrain_arg = [f"train.batch_size={args.batch_size}", *args.pretrain_arg]
     args.out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
 
@@ -320,7 +327,7 @@ def main() -> None:
                                  ("speculators", imported))}
 
     result = {
-        "toy": str(args.toy), "steps": args.steps, "k": K, "temperature": TEMPERATURE,
+        "toy": str(args.toy), "head": args.head, "steps": args.steps, "k": K, "temperature": TEMPERATURE,
         "eval_prompts": len(prompts), "train_sequences": ours["train_sequences"],
         "untrained": served["untrained"],
         "draftadapt": {**served["draftadapt"], "steps": ours["steps"], "seconds_per_step": ours["seconds_per_step"],
