@@ -88,6 +88,9 @@ class DraftConfig:
     norm_before_residual: bool = False  # the residual is the normed hidden state
     norm_before_fc: bool = False  # an RMSNorm over the concatenated aux states before fc
     norm_output: bool = False  # the next speculative step reads norm(x) (Eagle 3.1)
+    # Eagle-3: start lm_head as the target's (its draft-vocabulary rows), as speculators' trainer
+    # does (which also freezes it); false: random, as the original EAGLE-3
+    lm_head_from_target: bool = False
     num_layers: int = 2  # small draft LM only
     hidden_size: int = 128  # small draft LM only
     num_heads: int = 4  # small draft LM only
