@@ -7,7 +7,8 @@ batch of aux hidden states and target distributions, one trainer step, repeat; s
 acceptance on held-out data now and then; checkpoint), save (``out`` is a draft directory that
 vLLM loads directly), clean up. Prints a progress bar, then as its last line one JSON object such as
 ``{"out": "runs/eagle3_toy", "method": "eagle3", "steps": 600, "acceptance_length_simulated": 2.9,
-"per_position_acceptance": [0.8, 0.6, 0.5], "seconds": 240.1}``.
+"per_position_acceptance": [0.8, 0.6, 0.5], "seconds_per_step": 0.09, "seconds": 240.1}``
+(``seconds_per_step``: the optimizer steps alone; ``capture_seconds``: the target's forwards).
 
 Interrupted? Run the same command again: it reuses the regenerated data and resumes from the
 last checkpoint in ``out/pretrain/checkpoints``. Data parallel: ``accelerate launch --multi_gpu
