@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import os
 import shutil
 import statistics
@@ -122,12 +121,13 @@ def untrained_head(args, out: Path) -> Path:
 
 def write_speculators_data(toy: Path, data_dir: Path, pretrain_data: Path, aux_ids: list[int]) -> dict:
     """draftadapt's regenerated train + held-out sequences in speculators' offline data layout ->
-    {"rows", "train_rows", "mean_len"}. Rows are train then held-out, so a train ratio just under
-    1 makes the held-out sequences its validation split."""
+    {"rows", "train_lengths"}. Rows are train then held-out, so a train ratio just under 1 makes
+    the held-out sequences its validation split."""
     import datasets
     from safetensors.torch import save_file
 
     from draftadapt.data.sequences import load_sequences
+    from draftadapt.progress import progress
     from tests.integration.test_speculators import Features
 
     train = load_sequences(pretrain_data / "train.jsonl")
@@ -135,7 +135,7 @@ def write_speculators_data(toy: Path, data_dir: Path, pretrain_data: Path, aux_i
     features = Features(toy, aux_ids)
     (data_dir / "hidden_states").mkdir(parents=True, exist_ok=True)
     cols = {"input_ids": [], "loss_mask": [], "seq_len": []}
-    for i, seq in enumerate(train + held):
+    for i, seq in enumerate(progress(iterable=train + held, desc="speculators' data", unit="seq")):
         ids = seq.ids
         aux, last = features.forward(ids)  # [1, T, 3H], [1, T, H]
         t, h = len(ids), last.shape[-1]
@@ -149,8 +149,7 @@ def write_speculators_data(toy: Path, data_dir: Path, pretrain_data: Path, aux_i
     ds = datasets.Dataset.from_dict(cols)
     ds.set_format(type="torch")  # as its prepare_data leaves it
     ds.save_to_disk(str(data_dir))
-    return {"rows": len(cols["seq_len"]), "train_rows": len(train),
-            "mean_len": statistics.mean(cols["seq_len"][: len(train)])}
+    return {"rows": len(cols["seq_len"]), "train_lengths": cols["seq_len"][: len(train)]}
 
 
 def decoder_config(toy: Path, out: Path, intermediate_size: int) -> Path:
@@ -220,20 +219,18 @@ def speculators_pretrain(args, out: Path, pretrain_data: Path, aux_ids: list[int
     data = write_speculators_data(Path(args.toy), out / "data", pretrain_data, aux_ids)
     data_seconds = time.perf_counter() - t0
     # tokens per step as draftadapt's (batch_size sequences): one packed row of that many tokens
-    total_seq_len = round(args.batch_size * data["mean_len"])
-    seed = TrainConfig(verifier_name_or_path=str(args.toy)).seed
-    import datasets
-
-    lengths = list(datasets.load_from_disk(str(out / "data")).with_format(None)["seq_len"])[: data["train_rows"]]
-    epochs, per_epoch = epochs_for(lengths, total_seq_len, seed, args.steps)
+    lengths = data["train_lengths"]
+    total_seq_len = round(args.batch_size * statistics.mean(lengths))
     argv = ["--speculator-type=eagle3", f"--verifier-name-or-path={args.toy}", f"--data-path={out / 'data'}",
             f"--draft-config={decoder_config(Path(args.toy), out / 'decoder', intermediate_size)}",
             "--target-layer-ids", *map(str, aux_ids),
             *([f"--no-{name.replace('_', '-')}" for name in NORMS] if args.head == "original" else []),
             *[flag for flag in CPU_SETTINGS if flag.startswith("--")],
-            f"--total-seq-len={total_seq_len}", f"--train-data-ratio={(data['train_rows'] + 0.5) / data['rows']}",
-            f"--epochs={epochs}", f"--max-steps={args.steps}", f"--save-path={out / 'checkpoints'}",
-            f"--log-dir={out / 'logs'}", "--no-resume-from-checkpoint", *args.speculators_arg]
+            f"--total-seq-len={total_seq_len}", f"--train-data-ratio={(len(lengths) + 0.5) / data['rows']}",
+            f"--max-steps={args.steps}", f"--save-path={out / 'checkpoints'}", f"--log-dir={out / 'logs'}",
+            "--no-resume-from-checkpoint", *args.speculators_arg]
+    epochs, per_epoch = epochs_for(lengths, total_seq_len, TrainConfig.resolve(argv).seed, args.steps)
+    argv.append(f"--epochs={epochs}")
     (out / "argv.json").write_text(json.dumps(argv))
     t0 = time.perf_counter()
     run([sys.executable, str(Path(__file__).resolve()), "--speculators-child", str(out / "argv.json")],
@@ -339,7 +336,7 @@ def main() -> None:
     rows = [("untrained (step 0)", served["untrained"], "-", "-"),
             ("draftadapt pretrain", served["draftadapt"], ours["steps"], f"{ours['seconds_per_step']:.3f}"),
             ("speculators train", served["speculators"], theirs["steps"], f"{theirs['seconds_per_step']:.3f}")]
-    print(f"| draft | optimizer steps | s / step (fwd+bwd+opt) | acceptance length (vLLM) | per position |")
+    print("| draft | optimizer steps | s / step (fwd+bwd+opt) | acceptance length (vLLM) | per position |")
     print("|---|---|---|---|---|")
     for name, acc, steps, sps in rows:
         per = ", ".join(f"{x:.2f}" for x in acc["per_position"])
