@@ -7,7 +7,8 @@ batch of aux hidden states and target distributions, one trainer step, repeat; s
 acceptance on held-out data now and then; checkpoint), save (``out`` is a draft directory that
 vLLM loads directly), clean up. Prints a progress bar, then as its last line one JSON object such as
 ``{"out": "runs/eagle3_toy", "method": "eagle3", "steps": 600, "acceptance_length_simulated": 2.9,
-"per_position_acceptance": [0.8, 0.6, 0.5], "seconds": 240.1}``.
+"per_position_acceptance": [0.8, 0.6, 0.5], "seconds_per_step": 0.09, "seconds": 240.1}``
+(``seconds_per_step``: the optimizer steps alone; ``capture_seconds``: the target's forwards).
 
 Interrupted? Run the same command again: it reuses the regenerated data and resumes from the
 last checkpoint in ``out/pretrain/checkpoints``. Data parallel: ``accelerate launch --multi_gpu
@@ -83,6 +84,14 @@ class DraftConfig:
     aux_layer_ids: list[int] = field(default_factory=list)  # empty: distinct low/mid/high layers
     draft_vocab: int = 0  # Eagle-3 reduced vocabulary (most frequent response tokens); 0 = the target's
     intermediate_size: int = 0  # Eagle-3 MLP width; 0 = the target's (narrower = cheaper drafting)
+    # Eagle-3 norms beyond the original head's, each on by default in speculators' trainer (vLLM
+    # serves all three; docs/design.md, "speculators"):
+    norm_before_residual: bool = False  # the residual is the normed hidden state
+    norm_before_fc: bool = False  # an RMSNorm over the concatenated aux states before fc
+    norm_output: bool = False  # the next speculative step reads norm(x) (Eagle 3.1)
+    # Eagle-3: start lm_head as the target's (its draft-vocabulary rows), as speculators' trainer
+    # does (which also freezes it); false: random, as the original EAGLE-3
+    lm_head_from_target: bool = False
     num_layers: int = 2  # small draft LM only
     hidden_size: int = 128  # small draft LM only
     num_heads: int = 4  # small draft LM only
@@ -321,13 +330,20 @@ def pretrain(cfg: PretrainConfig, toy: ToyWorld | None = None) -> dict:
     stopped_early = False
     epoch, batch_idx = start_epoch, start_batch
     window: dict[str, float] = {}
+    # The optimizer steps apart from the capture (the target's forward, or a cached shard's read):
+    # what a trainer that reads precomputed states spends per step (scripts/bench_vs_speculators.py).
+    capture_s = step_s = 0.0
+    first_step = trainer.step
     for epoch in range(start_epoch, max(cfg.epochs, start_epoch + 1) if cfg.max_steps <= 0 else 10**9):
         batch_idx = start_batch if epoch == start_epoch else 0
         for b in epoch_plan(len(order), cfg.train.seed, epoch, batch_idx, rank, world):
             if trainer.step >= total:
                 break
+            t0 = time.perf_counter()
             batch = captured(f"train_{b}", [train_seqs[i] for i in order[b]])
+            t1 = time.perf_counter()
             m = trainer.train_step(batch)
+            capture_s, step_s = capture_s + t1 - t0, step_s + time.perf_counter() - t1
             batch_idx += 1
             for name, v in m.items():
                 window[name] = window.get(name, 0.0) + v
@@ -370,6 +386,8 @@ def pretrain(cfg: PretrainConfig, toy: ToyWorld | None = None) -> dict:
         "per_position_acceptance": [round(x, 4) for x in visited.per_position],
         "k": cfg.k,
         "train_seconds": round(train_seconds, 1),
+        "capture_seconds": round(capture_s, 1),
+        "seconds_per_step": round(step_s / max(trainer.step - first_step, 1), 4),
     }
     draft_out = trainer.export_draft()  # every rank: ZeRO-3 gathers the partitions
     if is_main:

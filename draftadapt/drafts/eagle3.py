@@ -393,21 +393,29 @@ def _rope_theta(hf_config) -> float:
 
 
 
+def with_layout(head: Eagle3Head, seed: int, **changes) -> Eagle3Head:
+    """The same head with other ``Eagle3Config`` layer settings (an MLP width, speculators' norms):
+    fresh weights for each tensor that is new or changed shape, every other tensor kept."""
+    cfg = dataclasses.replace(head.cfg, **changes)
+    if cfg == head.cfg:
+        return head
+    out = Eagle3Head(cfg)
+    out.init_weights(seed)
+    own = out.state_dict()
+    kept = {k: v for k, v in head.state_dict().items() if k in own and own[k].shape == v.shape}
+    out.load_state_dict({**own, **kept})
+    frozen = {name for name, p in head.named_parameters() if not p.requires_grad}
+    for name, p in out.named_parameters():  # frozen stays frozen (shared embeddings)
+        p.requires_grad_(name not in frozen)
+    return out
+
+
 def with_intermediate_size(head: Eagle3Head, intermediate_size: int, seed: int) -> Eagle3Head:
     """The same head with an MLP of another width: fresh MLP weights, every other tensor kept.
 
     A narrower MLP makes every speculative step cheaper; on the CPU toy a 256-wide MLP learned as
     well as the target's 768 and cut the drafter's share of a step (scripts/bench_pretrain.py).
     """
-    if intermediate_size == head.cfg.intermediate_size:
-        return head
     if intermediate_size < 1:
         raise ValueError(f"intermediate_size must be >= 1, got {intermediate_size}")
-    out = Eagle3Head(dataclasses.replace(head.cfg, intermediate_size=intermediate_size))
-    out.init_weights(seed)
-    own = out.state_dict()
-    kept = {k: v for k, v in head.state_dict().items() if not k.startswith("layers.0.mlp.") and k in own}
-    out.load_state_dict({**own, **kept})
-    for name, p in out.named_parameters():  # frozen stays frozen (shared embeddings)
-        p.requires_grad_(dict(head.named_parameters())[name].requires_grad)
-    return out
+    return with_layout(head, seed, intermediate_size=intermediate_size)

@@ -56,12 +56,18 @@ class Eagle3Method(Eagle3Spec):
         """Pretraining's fresh head (``cfg``: pretrain.DraftConfig): aux layers, a draft vocabulary
         of the most frequent response tokens, an MLP width."""
         from draftadapt.data.prompts import token_counts
-        from draftadapt.drafts.eagle3 import init_from_target, with_intermediate_size
+        from draftadapt.drafts.eagle3 import init_from_target, with_intermediate_size, with_layout
 
         counts = token_counts(train_seqs, target_model.config.vocab_size) if cfg.draft_vocab else None
         head = init_from_target(target_model, cfg.aux_layer_ids or None, cfg.draft_vocab or None, counts, cfg.seed)
         if cfg.intermediate_size:
             head = with_intermediate_size(head, cfg.intermediate_size, cfg.seed)
+        head = with_layout(head, cfg.seed, norm_before_residual=cfg.norm_before_residual,
+                           norm_before_fc=cfg.norm_before_fc, norm_output=cfg.norm_output)
+        if cfg.lm_head_from_target:
+            with torch.no_grad():
+                rows = target_model.get_output_embeddings().weight[self.vocab_ids(head)]  # [Vd, H]
+                head.lm_head.weight.copy_(rows.float())
         return head
 
     def load(self, draft_dir: str | Path, target_dir: str | Path) -> Eagle3Head:

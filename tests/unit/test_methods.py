@@ -99,3 +99,19 @@ def test_a_target_config_without_a_layer_size_is_refused_naming_it():
                           max_position_embeddings=128, rms_norm_eps=1e-6, model_type="custom")
     with pytest.raises(ValueError, match="the target's config has no intermediate_size"):
         init_from_target(SimpleNamespace(config=cfg), None, None, None, 0)
+
+
+def test_pretrain_build_starts_lm_head_as_the_targets_rows_when_asked(tmp_path):
+    """draft.lm_head_from_target (speculators' trainer's start): the draft-vocabulary rows of the
+    target's lm_head, trainable; off: the random start of the original EAGLE-3."""
+    from draftadapt.data.sequences import Sequence
+    from draftadapt.pretrain import DraftConfig
+
+    model = make_target(tmp_path / "target")
+    seqs = [Sequence([1, 5, 6], [7, 8, 9, 9, 2]), Sequence([1, 4], [10, 11, 2])]
+    head = EAGLE3.build(tmp_path / "target", model, DraftConfig(draft_vocab=20, lm_head_from_target=True), seqs)
+    rows = model.get_output_embeddings().weight[EAGLE3.vocab_ids(head)]
+    assert torch.equal(head.lm_head.weight, rows) and head.lm_head.weight.requires_grad
+    plain = EAGLE3.build(tmp_path / "target", model, DraftConfig(draft_vocab=20), seqs)
+    assert not torch.equal(plain.lm_head.weight, rows)
+    torch.testing.assert_close(plain.fc.weight, head.fc.weight)  # nothing else differs

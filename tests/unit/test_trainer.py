@@ -196,6 +196,23 @@ def test_reduced_draft_vocabulary_trains_and_scores():
             assert visited.length > 1.0, visited.length
 
 
+def test_speculators_norms_added_to_a_head_keep_its_weights():
+    """pretrain's draft.norm_* (speculators' default Eagle-3 layout): the same tensors, plus
+    input_norm at one, the shared embeddings still frozen; no change returns the head itself."""
+    from draftadapt.drafts.eagle3 import with_layout
+
+    head = init_from_target(tiny_target(), [1, 2, 3], None, None, 0)
+    normed = with_layout(head, 0, norm_before_residual=True, norm_before_fc=True, norm_output=True)
+    assert (normed.cfg.norm_before_residual, normed.cfg.norm_before_fc, normed.cfg.norm_output) == (True, True, True)
+    own = normed.state_dict()
+    assert set(own) - set(head.state_dict()) == {"input_norm.weight"}
+    assert torch.equal(own["input_norm.weight"], torch.ones(3 * 32))
+    for name, tensor in head.state_dict().items():
+        assert torch.equal(own[name], tensor), name
+    assert not normed.embed_tokens.weight.requires_grad and normed.fc.weight.requires_grad
+    assert with_layout(head, 0, norm_output=False) is head
+
+
 def test_narrower_mlp_keeps_everything_else(tmp_path):
     from draftadapt.drafts.eagle3 import with_intermediate_size
 
