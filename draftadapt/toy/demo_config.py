@@ -56,7 +56,7 @@ def toy_adapter() -> AdapterConfig:
 
     A round every other RL step: 8 optimizer steps of 16 sequences, the TTT steps >= 1 at a
     quarter of the positions, 32 held-out rollouts to decide the publish (docs/design.md,
-    "Adapter cost"; chosen from the replay table in the README). The validation gate turns down
+    "Adapter cost"; chosen from the replay tables in docs/results.md). The validation gate turns down
     the early candidates, while the draft is still current, that come out worse than it.
     """
     return AdapterConfig(
