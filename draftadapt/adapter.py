@@ -350,8 +350,7 @@ class DraftAdapter:
             self.replay.add(s.prompt_ids, s.response_ids, policy_version, extra,
                             source=None if source is None else f"{source}#{i}")
             added += 1
-        self.targets.keep_heads(getattr(handover, "lm_head", None), policy_version,
-                                {it.policy_version for it in self.replay})
+        self.targets.keep_heads(getattr(handover, "lm_head", None), policy_version, set(self.replay.version_counts()))
         self.trigger.observed()
         return added
 

@@ -196,8 +196,9 @@ class HandOver(HandedOver):
 
     ``subset``: the rollout indices to keep (say 64 of a step's 512, chosen at random): the others'
     rows are not copied, and ``observe`` takes only these rollouts. Batches are right padded
-    (``data.sequences.collate``); rows may come in any order and any micro-batch size. Per rollout it keeps the aux states [T, n*H] (``aux_dtype``, bf16 halves
-    memory) and the log-probs [T, Vd] at the engine's sampling temperature over the draft's
+    (``data.sequences.collate``); rows may come in any order and any micro-batch size. Per
+    rollout it keeps the aux states [T, n*H] (``aux_dtype``, bf16 halves memory) and (``store``
+    "logp") the log-probs [T, Vd] at the engine's sampling temperature over the draft's
     vocabulary: the distribution the policy *sampled these rollouts from*, which is the one the
     draft should match while the engine serves that version (docs/design.md, "Hand-over").
     """
@@ -252,7 +253,8 @@ class HandOver(HandedOver):
         hi = min(hi, lo + 8)
         logits_t = logits[row, lo:hi].detach().float() / self.temperature
         lse = torch.logsumexp(logits_t, -1, keepdim=True)
-        head = (self.lm_head[0].to(head_input.device), None if self.lm_head[1] is None else self.lm_head[1].to(head_input.device))
+        weight, bias = self.lm_head
+        head = (weight.to(head_input.device), None if bias is None else bias.to(head_input.device))
         got = handed_logp(head_input[row, lo:hi], lse, head, self.temperature)
         want = restricted_logp(logits[row, lo:hi].detach(), self.temperature, self.draft_to_target)
         # the logits' own rounding: a bf16 forward's logits are exact to about 2^-8 of their size
