@@ -95,13 +95,37 @@ def expected_unloaded(model: torch.nn.Module, shared: set[str] = frozenset()) ->
     """
     expected: dict[str, bool] = {}
     for prefix, m in model.named_modules():
-        own = [f"{prefix}.{n}" if prefix else n for n, _ in m.named_parameters(recurse=False)]
+        own = _own_param_names(prefix, m)
         has_buffers = any(True for _ in m.buffers(recurse=False))
         ok = (not own and has_buffers) or (bool(own) and all(n in shared for n in own))
         if own or has_buffers:
             cls = type(m).__name__
             expected[cls] = expected.get(cls, True) and ok
     return {cls for cls, ok in expected.items() if ok}
+
+
+def tied_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """Modules of ``model`` every parameter of which an earlier module owns (a tied output head:
+    ``lm_head.weight`` is ``embed_tokens.weight``), by their names (their parameters' names)."""
+    owner: set[int] = set()
+    tied = {}
+    for prefix, m in model.named_modules():
+        own = list(m.named_parameters(recurse=False))
+        if own and all(id(p) in owner for _, p in own):
+            tied.update({n: m for n in _own_param_names(prefix, m)})
+        owner.update(id(p) for _, p in own)
+    return tied
+
+
+def _own_param_names(prefix: str, m: torch.nn.Module) -> list[str]:
+    return [f"{prefix}.{n}" if prefix else n for n, _ in m.named_parameters(recurse=False)]
+
+
+def _keeps_weight(m: torch.nn.Module) -> bool:
+    """A module the CPU GEMM path packed without dropping its weight (vocabulary embeddings and
+    output heads; linear layers keep only the packed copy)."""
+    w = getattr(m, "weight", None)
+    return isinstance(w, torch.Tensor) and w.numel() > 0
 
 
 class _DropExpectedUnloaded(logging.Filter):
@@ -136,11 +160,25 @@ class DraftAdaptWorkerExtension:
             initialize_layerwise_reload,
         )
 
-        quiet = quiet_expected_unloaded(expected_unloaded(model, shared))
+        tied = tied_modules(model)
+        quiet = quiet_expected_unloaded(expected_unloaded(model, shared | set(tied)))
+        # The CPU GEMM path serves an output head from a packed copy of its weight, made once
+        # after loading (``cpu_linear``). Drop the vocabulary-sized ones before the reload (the
+        # reload packs the loaded modules afresh; keeping the old copies until then doubled the
+        # update's peak memory) and re-pack a tied head, which no checkpoint tensor reaches: it
+        # would go on serving the old policy's logits (docs/design.md, "Weight path").
+        repack = [m for name, m in model.named_modules()
+                  if getattr(m, "cpu_linear", None) is not None and _keeps_weight(m)
+                  and not all(n in shared for n in _own_param_names(name, m))]
         with set_current_vllm_config(self.vllm_config), torch.no_grad(), quiet:
+            for m in repack:
+                m.cpu_linear = None
             initialize_layerwise_reload(model)
             model.load_weights(iter(weights.items()))
             finalize_layerwise_reload(model, model_config)
+            for m in repack:
+                if m.cpu_linear is None:  # not reloaded (tied to a module that was)
+                    m.quant_method.process_weights_after_loading(m)
 
     def _da_shared(self, draft: torch.nn.Module) -> set[str]:
         """Draft parameter names that are the target's own tensors (vLLM shares identical embeddings)."""

@@ -185,6 +185,57 @@ def test_policy_tensors_go_in_as_they_are_in_any_dtype(engine, toy_target, tmp_p
         engine.update_policy(original)
 
 
+def _tied_copy(toy_target, out, weights):
+    """The toy target with its output head tied to ``embed_tokens`` (as Llama-3.2-1B and the
+    small Qwen models ship), serving ``weights``."""
+    import json
+    from safetensors.torch import save_file
+
+    shutil.copytree(toy_target, out)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["tie_word_embeddings"] = True
+    (out / "config.json").write_text(json.dumps(cfg))
+    save_file(weights, str(out / WEIGHTS_FILE))
+    return out
+
+
+def test_a_tied_output_head_follows_the_policy_update(toy_target, tmp_path):
+    """vLLM's CPU path serves the output head from a packed copy of its weight; a tied head gets
+    no checkpoint tensor of its own, so the reload must re-pack it. Before the fix the updated
+    engine sampled from the new embeddings and the old head's logits (another distribution than
+    the policy's). After an update, greedy tokens and log-probs equal an engine started on the
+    new weights, with an Eagle-3 head serving beside it."""
+    original = {k: v for k, v in load_file(str(toy_target / WEIGHTS_FILE)).items() if k != "lm_head.weight"}
+    g = torch.Generator().manual_seed(3)
+    moved = dict(original)
+    moved["model.embed_tokens.weight"] = original["model.embed_tokens.weight"] + 0.5 * torch.randn(
+        original["model.embed_tokens.weight"].shape, generator=g)
+    tied = _tied_copy(toy_target, tmp_path / "tied", original)
+    tied_moved = _tied_copy(toy_target, tmp_path / "tied-moved", moved)
+    head = init_draft(tied, "eagle3", tmp_path / "head", fmt="speculators", seed=0, draft_vocab=48)
+    prompts = toy_prompts(toy_target, 8)
+
+    def run(engine):
+        out = engine.generate(prompts, temperature=0.0, max_tokens=24, logprobs=True)
+        return [r.token_ids for r in out.rollouts], [lp for r in out.rollouts for lp in r.logprobs]
+
+    engine = start_engine(tied, head, in_process=True)
+    try:
+        before = run(engine)
+        engine.update_policy(moved)
+        updated = run(engine)
+    finally:
+        stop_engine(engine)
+    fresh = start_engine(tied_moved, head, in_process=True)
+    try:
+        reference = run(fresh)
+    finally:
+        stop_engine(fresh)
+    assert updated[0] != before[0]  # the update changed what serves
+    assert updated[0] == reference[0]
+    assert max(abs(a - b) for a, b in zip(updated[1], reference[1])) < 1e-4  # float32 toy
+
+
 class _Lines(logging.Handler):
     """What a logger passes on (after its own filters), as text."""
 
