@@ -35,6 +35,7 @@ from draftadapt.adapter import AdapterConfig
 from draftadapt.config import ConfigError, load_config, pass_down, save_config
 from draftadapt.toy import PRETRAIN_RECIPE, task
 from draftadapt.toy.demo_config import pretrain_overrides, toy_adapter
+from draftadapt.toy.summary import whole_run
 
 
 @dataclass
@@ -292,11 +293,15 @@ def main(argv: list[str] | None = None) -> int:
         s["end_to_end"]["matched_steps"] = m
     fa, aa = s["arms"]["frozen"]["last_third_acceptance"], s["arms"]["adapted"]["last_third_acceptance"]
     s["last_third"] = {"adapted_over_frozen_acceptance": aa / fa}
+    s["whole_run"] = whole_run(s["arms"]["adapted"]["acceptance_length_per_step"],
+                               s["arms"]["frozen"]["acceptance_length_per_step"],
+                               [h.get("adapt/published", 0.0) > 0 for h in history])
     s["tensorboard"] = sorted(str(p) for p in (out / "trl").rglob("events.out.tfevents.*"))
     s["total_seconds"] = time.perf_counter() - t_run
     (out / "summary.json").write_text(json.dumps(s, indent=2) + "\n")
     line = {"steps": n, "adapted_over_frozen_acceptance": round(aa / fa, 3),
             "frozen_last_third": round(fa, 3), "adapted_last_third": round(aa, 3),
+            **{k: round(v, 3) for k, v in s["whole_run"].items() if k in ("adapted_worst_over_start", "adapted_retention")},
             "drafts_published": s["drafts"]["published"], "drafts_swapped_in": s["drafts"]["swapped_in"],
             "trl_step_s": round(e["trl_step_s"], 2), "rl_step_s": round(e["rl_step_s"], 2),
             **{k: round(v, 3) for k, v in s["end_to_end"].get("matched_steps", {}).items() if k.startswith("rl_step_speedup")},

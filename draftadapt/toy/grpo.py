@@ -549,6 +549,9 @@ def demo_cli(overrides: list[str]) -> int:
     line = {"steps": summary["steps"], "seconds": round(summary["seconds"], 1),
             "total_seconds": round(summary["total_seconds"], 1), "spec": cfg.spec,
             **{k: round(v, 3) for k, v in summary.get("last_third", {}).items()},
+            **{f"whole_run_{k}": round(v, 3) if isinstance(v, float) else v
+               for k, v in summary.get("whole_run", {}).items()
+               if k in ("adapted_over_frozen", "adapted_worst_over_start", "adapted_retention", "first_publish_step")},
             "rl_step_s": round(e["rl_step_s"], 2), "adapt_share": round(e["adapt_share"], 4),
             "gen_share": round(e["gen_share"], 3)}
     if "rl_batch_arms" in summary:

@@ -57,6 +57,24 @@ def end_to_end(history: list[dict]) -> dict:
     e["adapt_share"] = e["adapt_s"] / e["rl_step_s"] if e["rl_step_s"] > 0 else float("nan")
     return e
 
+def whole_run(adapted: list[float], frozen: list[float], published: list[bool]) -> dict:
+    """What the whole run served, drift included (the last third hides the dip while the policy
+    moves): per-step acceptance lengths of the adapted and frozen arms (nan = nothing drafted)
+    and, per step, whether a draft was published after it (steps count from 1)."""
+    pairs = [(a, f) for a, f in zip(adapted, frozen) if a == a and f == f]
+    if not pairs:
+        return {}
+    a_mean = sum(a for a, _ in pairs) / len(pairs)
+    f_mean = sum(f for _, f in pairs) / len(pairs)
+    start = pairs[0][0]
+    return {
+        "adapted_mean": a_mean, "frozen_mean": f_mean, "adapted_over_frozen": a_mean / f_mean,
+        # the deepest dip of the adapted draft, and the mean it kept, against its first step's
+        "adapted_worst_over_start": min(a for a, _ in pairs) / start,
+        "adapted_retention": a_mean / start,
+        "first_publish_step": next((i + 1 for i, p in enumerate(published) if p), None),
+    }
+
 def summarize(cfg: DemoConfig, history: list[dict], arms: dict, seconds: float, fresh: dict | None = None,
               rl_batch: tuple | None = None, baseline: dict | None = None,
               sync: dict | None = None) -> dict:
@@ -118,6 +136,8 @@ def summarize(cfg: DemoConfig, history: list[dict], arms: dict, seconds: float, 
     if not cfg.spec:
         return s
     a, f, p = s["arms"]["adapted"], s["arms"]["frozen"], s["arms"]["plain"]
+    s["whole_run"] = whole_run(a["acceptance_length_per_step"], f["acceptance_length_per_step"],
+                               [h.get("adapt/published", 0.0) > 0 for h in history])
     s["last_third"] = {
         "adapted_over_frozen_acceptance": a["last_third_acceptance"] / f["last_third_acceptance"],
         "adapted_over_plain_tokens_per_s": a["last_third_tokens_per_s"] / p["last_third_tokens_per_s"],
@@ -145,6 +165,11 @@ def plot(history: list[dict], path: Path) -> None:
     ax[0].plot(steps, [h["accept/length"] for h in history], "o-", label="adapted draft")
     ax[0].plot(steps, [h["accept/frozen_length"] for h in history], "s-", label="frozen pretrained draft")
     ax[0].axhline(1.0, color="gray", ls=":", label="no speculation")
+    # a publish after step s serves from step s + 1: mark where each new draft came in
+    for i, h in enumerate(history):
+        if h.get("adapt/published", 0.0) > 0:
+            ax[0].axvline(steps[i] + 0.5, color="C0", alpha=0.25, lw=1,
+                          label="draft published" if not any(x.get("adapt/published", 0.0) > 0 for x in history[:i]) else None)
     ax[0].set_xlabel("RL step")
     ax[0].set_ylabel("acceptance length (k=3, measured in vLLM)")
     ax[0].legend()

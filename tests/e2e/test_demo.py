@@ -69,8 +69,14 @@ def test_demo_smoke(toy_target, tmp_path):
     assert all(f < 1.1 for f in frozen), frozen
     assert all(a > f + 0.1 for a, f in zip(adapted, frozen)), (adapted, frozen)
     assert len(summary["reward_per_step"]) == 3
+    # the whole run's block is the arms' per-step figures, and a draft was published each round
+    w = summary["whole_run"]
+    assert w["adapted_mean"] == pytest.approx(sum(adapted) / 3, rel=1e-9)
+    assert w["adapted_worst_over_start"] == pytest.approx(min(adapted) / adapted[0], rel=1e-9)
     assert (out / "acceptance.png").stat().st_size > 1000
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    published = [r["step"] for r in rows if r.get("adapt/published", 0.0) > 0]
+    assert published and w["first_publish_step"] == published[0] == last["whole_run_first_publish_step"]
     keys = set().union(*rows)
     for name in ("accept/length", "accept/pos_0", "accept/simulated_length", "draft/version",
                  "draft/age_policy_versions", "train/loss", "stage/gen_s", "stage/train_s", "stage/adapt_s",

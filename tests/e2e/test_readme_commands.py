@@ -44,6 +44,10 @@ def test_trl_recipe_runs_as_the_readme_shows(toy_target, tmp_path):
     assert s["drafts"]["published"] >= 1 and s["drafts"]["swapped_in"] == s["drafts"]["published"]
     # the starting draft is the store's version 1; each publish adds one
     assert s["drafts"]["final_version"] == 1 + s["drafts"]["published"]
+    adapted = s["arms"]["adapted"]["acceptance_length_per_step"]
+    w = s["whole_run"]
+    assert w["adapted_worst_over_start"] == pytest.approx(min(adapted) / adapted[0], rel=1e-9)
+    assert line["adapted_retention"] == pytest.approx(w["adapted_retention"], abs=6e-4)
     e = s["end_to_end"]
     assert e["rl_step_s"] == pytest.approx(e["trl_step_s"] + e["sync_s"] + e["adapt_s"], rel=1e-9)
     assert set(s["without_draftadapt"]) == {"trl_generate", "vllm_no_spec"}
