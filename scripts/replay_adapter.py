@@ -70,8 +70,22 @@ def handed_over(adapter: DraftAdapter, seqs: list[Sequence], micro_batch: int = 
     return ho
 
 
-def replay(spool: Path, target: Path, draft: Path, overrides: list[str], eval_seqs: int = 96) -> dict:
-    cfg = load_config(AdapterConfig, None, overrides)
+def adapter_config(base: str, overrides: list[str]) -> AdapterConfig:
+    """``overrides`` on the library's defaults (``base="library"``) or on the adapter the toy
+    world's RL runs attach (``"toy"``: the demo's and the TRL recipe's, ``toy_adapter()``)."""
+    if base == "library":
+        return load_config(AdapterConfig, None, overrides)
+    from draftadapt.config import save_config
+    from draftadapt.toy.demo_config import toy_adapter
+
+    with tempfile.TemporaryDirectory(prefix="replay_cfg_") as tmp:
+        save_config(toy_adapter(), Path(tmp) / "adapter.yaml")
+        return load_config(AdapterConfig, Path(tmp) / "adapter.yaml", overrides)
+
+
+def replay(spool: Path, target: Path, draft: Path, overrides: list[str], eval_seqs: int = 96,
+           base: str = "library") -> dict:
+    cfg = adapter_config(base, overrides)
     reader = SpoolReader(spool)
     steps = recorded_steps(reader)
     if len(steps) < 2:
@@ -104,7 +118,8 @@ def replay(spool: Path, target: Path, draft: Path, overrides: list[str], eval_se
                 "adapted": score_draft(adapter.live_draft(), held, adapter.cfg.k)[0].length,
                 "frozen": score_draft(frozen, held, adapter.cfg.k)[0].length,
                 "published": int(m.get("adapt/published", 0.0)),
-                "simulated_length": m.get("accept/simulated_length"),
+                "simulated_length": m.get("accept/simulated_length"),  # the round's candidate, on its held-out set
+                "simulated_live": m.get("accept/simulated_live"),  # the live draft on the same set
                 "train_steps": int(m.get("adapt/train_steps", 0.0)),
             })
     return {"overrides": overrides, "steps": rows, "adapt_seconds": adapt_s}
@@ -126,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--draft", required=True, type=Path, help="the draft the run started from")
     ap.add_argument("--try", dest="tries", action="append", default=None,
                     help='AdapterConfig overrides for one config, e.g. "train.batch_size=16 train.lr=2e-3" ("" = defaults); repeat')
+    ap.add_argument("--base", choices=("library", "toy"), default="library",
+                    help="what --try overrides: the library's AdapterConfig defaults, or the toy world's "
+                         "adapter (the demo's and the TRL recipe's)")
     ap.add_argument("--last", type=int, default=4, help="summarise the mean over the last N scored steps")
     ap.add_argument("--eval-seqs", type=int, default=96, help="sequences of the next step each step is scored on")
     ap.add_argument("--threads", type=int, default=2)
@@ -141,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     tries = [shlex.split(t) for t in (args.tries or [""])]
     try:
         for t in tries:  # every config is checked before the first one runs for minutes
-            load_config(AdapterConfig, None, t)
+            adapter_config(args.base, t)
     except ConfigError as exc:
         print(f"error: --try: {exc}", file=sys.stderr)
         return 2
@@ -149,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for t in tries:
         try:
-            res = replay(args.spool, args.target, args.draft, t, args.eval_seqs)
+            res = replay(args.spool, args.target, args.draft, t, args.eval_seqs, args.base)
         except (ValueError, ConfigError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
