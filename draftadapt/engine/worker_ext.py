@@ -173,17 +173,20 @@ class DraftAdaptWorkerExtension:
         with set_current_vllm_config(self.vllm_config), torch.no_grad(), quiet:
             for m in repack:
                 m.cpu_linear = None
-            initialize_layerwise_reload(model)
-            model.load_weights(iter(weights.items()))
-            finalize_layerwise_reload(model, model_config)
-            for m in repack:
-                if m.cpu_linear is None:  # not reloaded (tied to a module that was)
-                    m.quant_method.process_weights_after_loading(m)
+            try:
+                initialize_layerwise_reload(model)
+                model.load_weights(iter(weights.items()))
+                finalize_layerwise_reload(model, model_config)
+            finally:
+                for m in repack:  # not reloaded (tied to a module that was), or the load failed
+                    if m.cpu_linear is None and not m.weight.is_meta:
+                        m.quant_method.process_weights_after_loading(m)
 
     def _da_shared(self, draft: torch.nn.Module) -> set[str]:
-        """Draft parameter names that are the target's own tensors (vLLM shares identical embeddings)."""
+        """Draft parameter names that are the target's own tensors (vLLM shares identical embeddings;
+        every name of a tensor the draft holds twice, a tied head's too)."""
         target = {id(p) for p in self.get_model().parameters()}
-        return {n for n, p in draft.named_parameters() if id(p) in target}
+        return {n for n, p in draft.named_parameters(remove_duplicate=False) if id(p) in target}
 
     def da_draft_state(self, full: bool = False) -> dict:
         draft = self.get_draft_model()

@@ -165,10 +165,11 @@ def plot(history: list[dict], path: Path) -> None:
     ax[0].plot(steps, [h["accept/length"] for h in history], "o-", label="adapted draft")
     ax[0].plot(steps, [h["accept/frozen_length"] for h in history], "s-", label="frozen pretrained draft")
     ax[0].axhline(1.0, color="gray", ls=":", label="no speculation")
-    # a publish after step s serves from step s + 1: mark where each new draft came in
+    # a step's row is measured after its boundary swapped the draft it published in: the new draft
+    # serves from that point on
     for i, h in enumerate(history):
         if h.get("adapt/published", 0.0) > 0:
-            ax[0].axvline(steps[i] + 0.5, color="C0", alpha=0.25, lw=1,
+            ax[0].axvline(steps[i] - 0.5, color="C0", alpha=0.25, lw=1,
                           label="draft published" if not any(x.get("adapt/published", 0.0) > 0 for x in history[:i]) else None)
     ax[0].set_xlabel("RL step")
     ax[0].set_ylabel("acceptance length (k=3, measured in vLLM)")

@@ -70,7 +70,7 @@ def test_demo_smoke(toy_target, tmp_path):
     assert all(f < 1.1 for f in frozen), frozen
     assert all(a > f + 0.1 for a, f in zip(adapted, frozen)), (adapted, frozen)
     assert len(summary["reward_per_step"]) == 3
-    # the whole run's block is the arms' per-step figures, and a draft was published each round
+    # the whole run's block is the arms' per-step figures and the first step that published
     w = summary["whole_run"]
     assert w["adapted_mean"] == pytest.approx(sum(adapted) / 3, rel=1e-9)
     assert w["adapted_worst_over_start"] == pytest.approx(min(adapted) / adapted[0], rel=1e-9)

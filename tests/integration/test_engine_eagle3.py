@@ -204,7 +204,8 @@ def test_a_tied_output_head_follows_the_policy_update(toy_target, tmp_path):
     no checkpoint tensor of its own, so the reload must re-pack it. Before the fix the updated
     engine sampled from the new embeddings and the old head's logits (another distribution than
     the policy's). After an update, greedy tokens and log-probs equal an engine started on the
-    new weights, with an Eagle-3 head serving beside it."""
+    new weights, with an Eagle-3 head serving beside it. (It tells the fix only where vLLM packs
+    the head: the CPU path with oneDNN or AMX, as here; a GPU serves from the weight itself.)"""
     original = {k: v for k, v in load_file(str(toy_target / WEIGHTS_FILE)).items() if k != "lm_head.weight"}
     g = torch.Generator().manual_seed(3)
     moved = dict(original)
