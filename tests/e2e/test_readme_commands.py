@@ -83,3 +83,19 @@ def test_demo_on_a_ray_fleet_of_two_engines(toy_target, tmp_path):
     assert all(b["broadcast_ms"] > 0 and b["nbytes"] > 0 and not b["refused"] for b in f["broadcasts"])
     frozen, adapted = (s["arms"][arm]["acceptance_length_per_step"] for arm in ("frozen", "adapted"))
     assert all(f < 1.1 for f in frozen) and adapted[-1] > frozen[-1] + 0.1, (frozen, adapted)
+
+
+def test_bench_scale_runs_as_the_readme_shows():
+    """`scripts/bench_scale.py --sizes ... --dtypes bfloat16,float32 --json` (README, "The weight
+    path at real sizes"), at the 5m size: one row per dtype with the figures the README quotes,
+    and the engine still serving after the updates and swaps (the script generates after them)."""
+    proc = subprocess.run([sys.executable, "scripts/bench_scale.py", "--sizes", "5m", "--dtypes", "bfloat16,float32",
+                           "--updates", "2", "--swaps", "3", "--json"],
+                          capture_output=True, text=True, timeout=600, cwd=REPO)
+    rows = last_json_line(proc)["sizes"]
+    assert [(r["size"], r["dtype"]) for r in rows] == [("5m", "bfloat16"), ("5m", "float32")]
+    for r in rows:
+        assert r["model_bytes"] == r["params"] * (2 if r["dtype"] == "bfloat16" else 4)
+        assert len(r["update_ms_all"]) == 2 and r["policy_update_ms"] > 0 and r["policy_update_gb_s"] > 0
+        assert 0 < r["draft_swap_p50_ms"] <= r["draft_swap_p95_ms"]
+        assert r["integrity_ms"] > 0 and r["update_peak_rss_over_model"] >= 0
