@@ -104,15 +104,15 @@ def expected_unloaded(model: torch.nn.Module, shared: set[str] = frozenset()) ->
     return {cls for cls, ok in expected.items() if ok}
 
 
-def tied_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    """Modules of ``model`` every parameter of which an earlier module owns (a tied output head:
-    ``lm_head.weight`` is ``embed_tokens.weight``), by their names (their parameters' names)."""
+def tied_names(model: torch.nn.Module) -> set[str]:
+    """Parameter names of the modules of ``model`` every parameter of which an earlier module owns
+    (a tied output head: ``lm_head.weight`` is ``embed_tokens.weight``)."""
     owner: set[int] = set()
-    tied = {}
+    tied: set[str] = set()
     for prefix, m in model.named_modules():
         own = list(m.named_parameters(recurse=False))
         if own and all(id(p) in owner for _, p in own):
-            tied.update({n: m for n in _own_param_names(prefix, m)})
+            tied.update(_own_param_names(prefix, m))
         owner.update(id(p) for _, p in own)
     return tied
 
@@ -160,8 +160,7 @@ class DraftAdaptWorkerExtension:
             initialize_layerwise_reload,
         )
 
-        tied = tied_modules(model)
-        quiet = quiet_expected_unloaded(expected_unloaded(model, shared | set(tied)))
+        quiet = quiet_expected_unloaded(expected_unloaded(model, shared | tied_names(model)))
         # The CPU GEMM path serves an output head from a packed copy of its weight, made once
         # after loading (``cpu_linear``). Drop the vocabulary-sized ones before the reload (the
         # reload packs the loaded modules afresh; keeping the old copies until then doubled the

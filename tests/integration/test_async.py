@@ -19,10 +19,7 @@ def run_demo(args: list[str], timeout: int = 900) -> subprocess.CompletedProcess
                           timeout=timeout)
 
 
-# lag 2 only: the pipeline is one code path for every lag, and at 2 the sampler's, the trainer's
-# and the draft's policy versions all differ at once (lag 1 ran here too: 50 s of the suite for
-# the same assertions)
-@pytest.mark.parametrize("lag", [2])
+@pytest.mark.parametrize("lag", [1, 2])
 def test_async_versions_every_step(toy_target, tmp_path, lag):
     draft = init_draft(toy_target, "eagle3", tmp_path / "draft0", seed=0)
     out = tmp_path / "demo"
