@@ -52,7 +52,7 @@ log = logging.getLogger("draftadapt.adapter")
 class ScheduleConfig:
     every_n_steps: int = 1  # train after every N observed RL steps; 0 = only when drift triggers
     # Also train when the acceptance (measured in the engine, or simulated on the newest
-    # rollouts) fell by this fraction since the last publish; 0 disables the trigger.
+    # rollouts) fell by this fraction since the last round; 0 disables the trigger.
     drift_fraction: float = 0.05
     train_steps: int = 12  # optimizer steps per adaptation round
     min_sequences: int = 16  # do not train on fewer buffered sequences than this
@@ -62,6 +62,10 @@ class ScheduleConfig:
     # up to max_train_steps in the round. 0 = off (one block a round).
     max_train_steps: int = 0
     catchup_gain: float = 0.02
+    # Chase: a round whose candidate beat the live draft by at least this fraction (on the same
+    # held-out rollouts of the newest policy) found the draft behind a moving policy; the next
+    # round is then due at the very next RL step instead of after every_n_steps. 0 = off.
+    chase_gain: float = 0.0
 
     def validate(self) -> None:
         if self.every_n_steps < 0 or self.train_steps < 1 or not 0 <= self.drift_fraction < 1:
@@ -69,6 +73,8 @@ class ScheduleConfig:
                 "schedule: every_n_steps >= 0, train_steps >= 1 and 0 <= drift_fraction < 1 "
                 f"(got {self.every_n_steps}, {self.train_steps}, {self.drift_fraction})"
             )
+        if self.chase_gain < 0:
+            raise ConfigError(f"schedule: chase_gain is a fraction >= 0, 0 = off (got {self.chase_gain})")
         if self.max_train_steps and (self.max_train_steps < self.train_steps or self.catchup_gain <= 0):
             raise ConfigError(
                 "schedule: max_train_steps is 0 (no catch-up) or >= train_steps, with catchup_gain > 0 "
@@ -168,14 +174,16 @@ def _load_draft(draft_dir: Path, target_dir: Path, method: DraftMethod):
 
 
 class DriftTrigger:
-    """When a round is due: every N observed RL steps, or when acceptance fell by a fraction since
-    the last publish (measured in the engine when reported, else simulated by the caller)."""
+    """When a round is due: every N observed RL steps; the step after a round that gained
+    chase_gain; or when acceptance fell by a fraction since the last round (measured in the engine
+    when reported, else simulated by the caller)."""
 
     def __init__(self, cfg: ScheduleConfig):
         self.cfg = cfg
         self.steps_since_train = 0
-        self.reference: float | None = None  # acceptance at the last publish
+        self.reference: float | None = None  # acceptance a fall is measured from
         self.measured: float | None = None  # the engine's latest measurement of the live draft
+        self.chasing = False  # the last round gained chase_gain or more: the next is due a step later
 
     def observed(self) -> None:
         self.steps_since_train += 1
@@ -187,6 +195,9 @@ class DriftTrigger:
             # measured and simulated lengths are not comparable: the engine's first measurement
             # replaces a reference simulated before it
             self.reference = self.measured
+        else:
+            # a fall is measured from the best the engine saw since the last round
+            self.reference = max(self.reference, self.measured)
 
     def due(self, buffered: int, simulate_live) -> tuple[bool, str]:
         """``simulate_live()``: the live draft's simulated acceptance, for runs with no engine."""
@@ -195,6 +206,8 @@ class DriftTrigger:
             return False, "too_few_sequences"
         if s.every_n_steps and self.steps_since_train >= s.every_n_steps:
             return True, "schedule"
+        if self.chasing and self.steps_since_train >= 1:
+            return True, "chase"
         if s.drift_fraction:
             now = self.measured
             if now is None and (self.steps_since_train > 0 or self.reference is None):
@@ -206,12 +219,20 @@ class DriftTrigger:
                 return True, "drift"
         return False, "not_due"
 
-    def trained(self, published: bool, candidate: float) -> None:
+    def trained(self, published: bool, candidate: float, live: float | None = None) -> None:
+        """A round ended; ``candidate`` and ``live``: the two drafts' scores on its held-out set."""
         self.steps_since_train = 0
-        if published:
-            # drift is measured from here: the engine's next measurement of this draft, or
-            # (without an engine) its simulated score
-            self.reference = None if self.measured is not None else candidate
+        s = self.cfg
+        # the policy is running away from the draft: the next round at the next step
+        self.chasing = bool(published and s.chase_gain and live and candidate >= live * (1 + s.chase_gain))
+        if self.measured is not None:
+            # drift is measured from the engine's last measurement before the round (the old
+            # draft's, on the policy the round trained towards): a new draft that measures lower
+            # fell behind a policy that moved on, and the step right after a publish counts
+            self.reference = self.measured
+        elif published:
+            # without an engine: the published candidate's simulated score
+            self.reference = candidate
 
 
 class ValidationGate:
@@ -361,7 +382,8 @@ class DraftAdapter:
     def report_measured(self, acceptance_length: float) -> None:
         """The acceptance length the engine measured for the live draft (feeds the drift trigger).
 
-        The first measurement after a publish is the reference a later drop is measured against."""
+        A round is due when a measurement falls drift_fraction below the reference: the last
+        measurement before the latest round, or a higher one since."""
         self.trigger.report(acceptance_length)
 
     # ------------------------------------------------------------------ the round
@@ -421,6 +443,7 @@ class DraftAdapter:
             "adapt/train_steps": float(done),
             "adapt/trained": 1.0,
             "adapt/trigger_drift": float(why == "drift"),
+            "adapt/trigger_chase": float(why == "chase"),
             "accept/simulated_length": candidate,
             "accept/simulated_live": live,
             "adapt/heldout_seqs": float(len(heldout)),
@@ -438,7 +461,7 @@ class DraftAdapter:
             metrics["draft/published_version"] = float(version)
         else:
             metrics["adapt/rejected"] = 1.0
-        self.trigger.trained(published, candidate)
+        self.trigger.trained(published, candidate, live)
         metrics["stage/adapt_s"] = time.perf_counter() - t0
         self._log(metrics)
         return metrics

@@ -106,19 +106,21 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Llama (neox-style, half split) rotary embedding.
-
-    x: [B, H, T, D]; positions: [B, T] int -> [B, H, T, D]
-    """
-    d = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d))
+def rope_tables(positions: torch.Tensor, d: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Llama (neox-style, half split) rotary tables: positions [B, T] int -> cos, sin [B, 1, T, D]
+    (float32), computed once for the queries and the keys of a pass."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=positions.device) / d))
     ang = positions.float()[..., None] * inv_freq  # [B, T, D/2]
-    cos = torch.cat([ang.cos(), ang.cos()], -1)[:, None]  # [B, 1, T, D]
-    sin = torch.cat([ang.sin(), ang.sin()], -1)[:, None]
-    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
-    rotated = torch.cat([-x2, x1], -1)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+    ang = torch.cat([ang, ang], -1)[:, None]
+    return ang.cos(), ang.sin()
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, H, T, D] -> x rotated by the tables of :func:`rope_tables` (in float32)."""
+    d = x.shape[-1]
+    xf = x.float()
+    x1, x2 = xf[..., : d // 2], xf[..., d // 2:]
+    return (xf * cos + torch.cat([-x2, x1], -1) * sin).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -137,7 +139,8 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(b, t, self.nh, self.hd).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.nkv, self.hd).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.nkv, self.hd).transpose(1, 2)
-        return rope(q, positions, self.theta), rope(k, positions, self.theta), v
+        cos, sin = rope_tables(positions, self.hd, self.theta)
+        return rope(q, cos, sin), rope(k, cos, sin), v
 
     def attend(self, q, k, v, mask: torch.Tensor) -> torch.Tensor:
         """q: [B, nh, T, hd]; k, v: [B, nkv, S, hd]; mask: [T, S] or [B, 1, T, S] bool (True = may attend)."""

@@ -41,3 +41,45 @@ def test_an_engine_measurement_replaces_a_simulated_reference():
     assert trig.reference == 3.0  # a measured reference stays until the next publish
     trig.report(2.5)
     assert trig.due(10, lambda: 2.6) == (True, "drift")
+
+
+def test_a_round_that_gained_chase_gain_brings_the_next_round_a_step_later():
+    """every_n_steps=2: after a round whose candidate beat the live draft by >= chase_gain, the
+    next round is due after one observed step ("chase"); after a small gain, after two."""
+    trig = DriftTrigger(ScheduleConfig(every_n_steps=2, drift_fraction=0.0, chase_gain=0.03, min_sequences=1))
+    trig.trained(True, 3.10, 3.00)  # +3.3%: chasing
+    assert trig.due(10, lambda: 3.0) == (False, "not_due")  # no step observed since the round
+    trig.observed()
+    assert trig.due(10, lambda: 3.0) == (True, "chase")
+    trig.trained(True, 3.05, 3.00)  # +1.7%: back to the schedule
+    trig.observed()
+    assert trig.due(10, lambda: 3.0) == (False, "not_due")
+    trig.observed()
+    assert trig.due(10, lambda: 3.0) == (True, "schedule")
+    trig.trained(False, 3.50, 3.00)  # a rejected round never chases
+    trig.observed()
+    assert trig.due(10, lambda: 3.0) == (False, "not_due")
+
+
+def test_a_new_draft_measured_below_the_old_one_triggers_at_once():
+    """The reference after a round is the engine's last measurement before it: a draft that
+    measures 3% lower at its first step fell behind the policy (the step after a publish counts)."""
+    trig = DriftTrigger(ScheduleConfig(every_n_steps=2, drift_fraction=0.03, min_sequences=1))
+
+    def never():
+        raise AssertionError("simulated although the engine measured")
+
+    trig.report(3.09)
+    trig.trained(True, 2.97, 2.99)
+    assert trig.reference == 3.09
+    trig.report(2.97)  # -3.9% at the new draft's first step
+    trig.observed()
+    assert trig.due(10, never) == (True, "drift")
+    trig.trained(False, 2.70, 2.75)  # rejected: the next fall is measured from 2.97
+    trig.report(2.95)  # -0.7%
+    trig.observed()
+    assert trig.due(10, never) == (False, "not_due")
+    trig.report(3.20)  # a higher measurement raises the reference
+    assert trig.reference == 3.20
+    trig.report(3.08)  # -3.75% from it
+    assert trig.due(10, never) == (True, "drift")
