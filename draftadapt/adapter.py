@@ -22,6 +22,8 @@ from its own copy of the current policy (docs/design.md, "Hand-over").
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import math
 import random
@@ -66,6 +68,11 @@ class ScheduleConfig:
     # held-out rollouts of the newest policy) found the draft behind a moving policy; the next
     # round is then due at the very next RL step instead of after every_n_steps. 0 = off.
     chase_gain: float = 0.0
+    # Cost cap: a due round waits while the adapter's own calls (observe, update_policy, step,
+    # swap, check_integrity) plus the last round's duration would exceed this share of the wall
+    # time since its first call; the round stays due and runs once the run has earned the time.
+    # Chase and drift rounds then take the time the schedule would have spent later. 0 = off.
+    max_share: float = 0.0
 
     def validate(self) -> None:
         if self.every_n_steps < 0 or self.train_steps < 1 or not 0 <= self.drift_fraction < 1:
@@ -73,6 +80,8 @@ class ScheduleConfig:
                 "schedule: every_n_steps >= 0, train_steps >= 1 and 0 <= drift_fraction < 1 "
                 f"(got {self.every_n_steps}, {self.train_steps}, {self.drift_fraction})"
             )
+        if not 0 <= self.max_share < 1:
+            raise ConfigError(f"schedule: max_share is a fraction of the run's time in [0, 1), 0 = off (got {self.max_share})")
         if self.chase_gain < 0:
             raise ConfigError(f"schedule: chase_gain is a fraction >= 0, 0 = off (got {self.chase_gain})")
         if self.max_train_steps and (self.max_train_steps < self.train_steps or self.catchup_gain <= 0):
@@ -235,6 +244,51 @@ class DriftTrigger:
             self.reference = candidate
 
 
+def _timed(method):
+    """Count a DraftAdapter call's time in its CostMeter."""
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with self.cost.timed():
+            return method(self, *args, **kwargs)
+    return wrapper
+
+
+class CostMeter:
+    """The adapter's share of the run's wall time: what its own calls took, over the time since
+    the first of them (schedule.max_share; docs/design.md, "Following the drift")."""
+
+    def __init__(self, max_share: float):
+        self.max_share = max_share
+        self.start: float | None = None
+        self.spent = 0.0
+        self.round_s: float | None = None  # the last round's duration: what the next one is expected to take
+        self._depth = 0
+
+    @contextlib.contextmanager
+    def timed(self):
+        t0 = time.perf_counter()
+        if self.start is None:
+            self.start = t0
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            if not self._depth:  # a timed call inside another counts once
+                self.spent += time.perf_counter() - t0
+
+    def share(self) -> float | None:
+        if self.start is None:
+            return None
+        return self.spent / max(time.perf_counter() - self.start, 1e-9)
+
+    def allows_round(self) -> bool:
+        if not self.max_share or self.round_s is None or self.start is None:
+            return True
+        elapsed = time.perf_counter() - self.start
+        return self.spent + self.round_s <= self.max_share * (elapsed + self.round_s)
+
+
 class ValidationGate:
     """Scores drafts on held-out rollouts of the newest policy; a candidate passes unless its
     simulated acceptance length is below the live draft's by more than the margin."""
@@ -286,6 +340,7 @@ class DraftAdapter:
         self.publisher = Publisher(self.store, self.trainer, self.method, fmt, self.policy_dir, self.cfg.k)
         self.rng = random.Random(self.cfg.train.seed)
         self.trigger = DriftTrigger(self.cfg.schedule)
+        self.cost = CostMeter(self.cfg.schedule.max_share)
         self.gate = ValidationGate(self.cfg.validation, self.cfg.k)
         self.engines = EngineSwaps(self.store)
         self._simulated: dict[int, float] = {}  # published version -> its simulated acceptance length
@@ -317,6 +372,7 @@ class DraftAdapter:
     def pad_id(self) -> int:
         return self._policy.pad_id
 
+    @_timed
     def update_policy(self, weights_or_path: str | Path | dict[str, torch.Tensor], version: int) -> None:
         """Load the policy's new weights into the adapter's own HF copy (a dir, a file or a state
         dict); refused with ValueError, the copy unchanged, unless they fit it and are finite."""
@@ -333,6 +389,7 @@ class DraftAdapter:
         hundred sequences at most (docs/design.md, "On a GPU")."""
         return self.targets.handover(policy, subset)
 
+    @_timed
     def observe(self, rollouts: Iterable[Any], policy_version: int, handover: HandOver | None = None,
                 hidden_states: Sequence[torch.Tensor] | None = None, source: str | None = None) -> int:
         """Add one RL step's rollouts, sampled from policy ``policy_version``; returns how many.
@@ -388,6 +445,7 @@ class DraftAdapter:
 
     # ------------------------------------------------------------------ the round
 
+    @_timed
     def step(self, force: bool = False) -> dict[str, float]:
         """Train if the schedule says so, validate, and publish a better draft. Returns metrics."""
         self._wait_round()
@@ -397,6 +455,14 @@ class DraftAdapter:
         due, why = self.trigger.due(len(self.replay), lambda: self.score(self.live_draft(), self.targets.batches(
             self.replay.heldout(), self.cfg.train.batch_size)))
         metrics: dict[str, float] = {"adapt/trained": 0.0, "adapt/published": 0.0, "adapt/rejected": 0.0}
+        share = self.cost.share()
+        if share is not None:
+            metrics["adapt/share"] = share
+        if due and not force and not self.cost.allows_round():
+            # over schedule.max_share: the round stays due and runs when the run has earned the time
+            metrics.update({"adapt/skipped": 1.0, "adapt/deferred": 1.0})
+            self._log(metrics)
+            return metrics
         if not (due or force and len(self.replay) > 0):
             metrics["adapt/skipped"] = 1.0
             return metrics
@@ -462,7 +528,7 @@ class DraftAdapter:
         else:
             metrics["adapt/rejected"] = 1.0
         self.trigger.trained(published, candidate, live)
-        metrics["stage/adapt_s"] = time.perf_counter() - t0
+        metrics["stage/adapt_s"] = self.cost.round_s = time.perf_counter() - t0
         self._log(metrics)
         return metrics
 
@@ -554,6 +620,7 @@ class DraftAdapter:
         not publish. Online k starts a newly swapped-in draft from it (``OnlineK.new_draft``)."""
         return self._simulated.get(version)
 
+    @_timed
     def swap(self, engine) -> Any:
         """Put the newest published draft the engine may serve into it, in place
         (:meth:`DraftStore.swap_newest_into`: never one trained on a newer policy than the engine
@@ -574,6 +641,7 @@ class DraftAdapter:
         dv = self.store.latest(max_policy_version=max_policy_version, newer_than=newer_than)
         return None if dv is None else DraftPackage.read(dv)
 
+    @_timed
     def check_integrity(self, engine) -> bool:
         """After a policy update: is the live draft still the one last swapped in? Repair if not.
 

@@ -80,7 +80,8 @@ def adapter_config(base: str, overrides: list[str]) -> AdapterConfig:
 
     with tempfile.TemporaryDirectory(prefix="replay_cfg_") as tmp:
         save_config(toy_adapter(), Path(tmp) / "adapter.yaml")
-        return load_config(AdapterConfig, Path(tmp) / "adapter.yaml", overrides)
+        # the cost cap shares the RL step's time, which a replay does not have: off unless set
+        return load_config(AdapterConfig, Path(tmp) / "adapter.yaml", ["schedule.max_share=0"] + overrides)
 
 
 def replay(spool: Path, target: Path, draft: Path, overrides: list[str], eval_seqs: int = 96,

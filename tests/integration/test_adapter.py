@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import time
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -241,10 +243,50 @@ def test_drift_trigger_trains_only_when_acceptance_fell(world, trained, toy_targ
     adapter.observe(rollouts(world, seed=6), policy_version=0)
     adapter.report_measured(2.9)  # -3%: within the 10% band
     assert adapter.step().get("adapt/skipped") == 1.0
-    adapter.report_measured(2.5)  # -17% since the last publish: drift
+    adapter.report_measured(2.5)  # -17% since the last round: drift
     m = adapter.step()
     assert m["adapt/trained"] == 1.0 and m["adapt/trigger_drift"] == 1.0, m
     assert adapter.store.latest().version >= published
+
+
+def test_a_round_over_max_share_waits_and_stays_due(world, toy_target):
+    """schedule.max_share: after a first round, a run that has spent almost no time outside the
+    adapter has not earned the next one; it is deferred (logged), and runs once the run's time
+    makes it fit."""
+    cfg = small_cfg()
+    cfg.schedule = ScheduleConfig(every_n_steps=1, drift_fraction=0.0, train_steps=2, min_sequences=8, max_share=0.2)
+    adapter = DraftAdapter(toy_target, world["draft0"], world["root"] / "max_share", cfg)
+    first, second = rollouts(world, seed=7), rollouts(world, seed=8)  # generated before the adapter's clock starts
+    adapter.observe(first, policy_version=0)
+    assert adapter.step()["adapt/trained"] == 1.0  # the first round: nothing to expect yet
+    round_s = adapter.cost.round_s
+    adapter.observe(second, policy_version=0)
+    m = adapter.step()
+    assert m["adapt/deferred"] == 1.0 and m["adapt/trained"] == 0.0, m
+    assert 0.5 < m["adapt/share"] <= 1.0, m  # nearly all the time so far was the adapter's
+    time.sleep(5 * (adapter.cost.spent + round_s) + 0.2)  # the RL step's time: the round now fits in 20%
+    m = adapter.step()
+    assert m["adapt/trained"] == 1.0 and "adapt/deferred" not in m, m
+
+
+@pytest.mark.parametrize("chase_gain, next_round", [(1e-6, True), (10.0, False)])
+def test_a_round_that_gained_brings_the_next_one_at_the_next_step(world, toy_target, chase_gain, next_round):
+    """Chase: a random head gains on the held-out rollouts in every round; with chase_gain below
+    that gain the next round is due one RL step later although every_n_steps is 3; with a gain
+    no round reaches (1000%) it is not."""
+    cfg = small_cfg(batch_size=16)
+    cfg.schedule = ScheduleConfig(every_n_steps=3, drift_fraction=0.0, train_steps=2, min_sequences=8,
+                                  chase_gain=chase_gain)
+    adapter = DraftAdapter(toy_target, world["draft0"], world["root"] / f"chase-{chase_gain}", cfg)
+    adapter.observe(rollouts(world, seed=7), policy_version=0)
+    first = adapter.step(force=True)
+    assert first["adapt/published"] == 1.0 and first["accept/simulated_length"] > first["accept/simulated_live"], first
+    adapter.observe(rollouts(world, seed=8), policy_version=0)
+    m = adapter.step()
+    if next_round:
+        assert m["adapt/trained"] == 1.0 and m["adapt/trigger_chase"] == 1.0, m
+    else:
+        assert m.get("adapt/skipped") == 1.0, m
 
 
 @pytest.mark.parametrize("max_train_steps, gain, expected_steps", [

@@ -1,6 +1,8 @@
 """The adapter's schedule: when a round is due (pure logic, no engine)."""
 
-from draftadapt.adapter import DriftTrigger, ScheduleConfig
+import time
+
+from draftadapt.adapter import CostMeter, DriftTrigger, ScheduleConfig
 
 
 def test_without_an_engine_the_first_simulated_score_is_the_reference():
@@ -83,3 +85,20 @@ def test_a_new_draft_measured_below_the_old_one_triggers_at_once():
     assert trig.reference == 3.20
     trig.report(3.08)  # -3.75% from it
     assert trig.due(10, never) == (True, "drift")
+
+
+def test_the_cost_meter_defers_a_round_until_the_run_has_earned_it():
+    meter = CostMeter(0.05)
+    assert meter.allows_round()  # before any round: nothing to expect yet
+    meter.start, meter.spent, meter.round_s = time.perf_counter() - 10.0, 0.3, 0.4
+    assert not meter.allows_round()  # 0.3 + 0.4 s > 5% of 10.4 s
+    assert abs(meter.share() - 0.03) < 0.001
+    meter.start -= 10.0  # ten seconds later, nothing spent since
+    assert meter.allows_round()  # 0.7 s <= 5% of 20.4 s
+    with meter.timed():
+        with meter.timed():  # a timed call inside another counts once
+            time.sleep(0.05)
+    assert 0.35 <= meter.spent < 0.45, meter.spent
+    off = CostMeter(0.0)
+    off.start, off.spent, off.round_s = time.perf_counter() - 1.0, 100.0, 100.0
+    assert off.allows_round()
