@@ -36,7 +36,7 @@ def test_demo_smoke(toy_target, tmp_path):
     assert 0.0 < e["gen_share"] < 1.0
     cmd = [sys.executable, "-m", "draftadapt.cli", "demo", "--out", str(out), *common,
            "adapter.schedule.every_n_steps=1", "adapter.schedule.train_steps=2", "adapter.train.batch_size=8",
-                    "adapter.schedule.max_train_steps=0", "adapter.train.warmup_steps=0",
+                    "adapter.schedule.max_train_steps=0", "adapter.schedule.max_share=0", "adapter.train.warmup_steps=0",
            "adapter.schedule.min_sequences=8",
            "pretrain_prompts=48", "fresh_max_minutes=0.2", f"spool={tmp_path / 'spool'}", f"baseline={base}"]
     # from another directory: the demo's pretrain recipe (the fresh reference below) is package data

@@ -32,7 +32,7 @@ def test_trl_recipe_runs_as_the_readme_shows(toy_target, tmp_path):
          "--draft", str(draft), "prompts_per_step=8", "group_size=4", "micro_batch=16", "max_tokens=48",
          "eval_prompts=8", "baseline_steps=1", "adapter.schedule.every_n_steps=1",
          "adapter.schedule.train_steps=2", "adapter.train.batch_size=8", "adapter.schedule.min_sequences=8",
-         "adapter.schedule.max_train_steps=0", "adapter.train.warmup_steps=0"],
+         "adapter.schedule.max_train_steps=0", "adapter.schedule.max_share=0", "adapter.train.warmup_steps=0"],
         capture_output=True, text=True, timeout=900, cwd=REPO)
     line = last_json_line(proc)
     assert line["steps"] == 2 and line["out"] == str(out)
@@ -66,7 +66,7 @@ def test_demo_on_a_ray_fleet_of_two_engines(toy_target, tmp_path):
          f"draft={draft}", "engines=2", "grpo.prompts_per_step=4", "grpo.group_size=4", "eval.prompts=8",
          "grpo.max_tokens=64", "eval.max_tokens=64", "adapter.schedule.every_n_steps=1",
          "adapter.schedule.train_steps=2", "adapter.train.batch_size=8", "adapter.schedule.min_sequences=8",
-         "adapter.schedule.max_train_steps=0", "adapter.train.warmup_steps=0",
+         "adapter.schedule.max_train_steps=0", "adapter.schedule.max_share=0", "adapter.train.warmup_steps=0",
          "fresh_final=false", "rl_batch_arms=false"],
         capture_output=True, text=True, timeout=900, cwd=tmp_path)
     line = last_json_line(proc)

@@ -30,7 +30,7 @@ def test_async_versions_every_step(toy_target, tmp_path, lag):
                      # a round and a publish every step (the gate lets nearly any candidate through),
                      # so every step has a swap to check
                      "adapter.schedule.every_n_steps=1", "adapter.schedule.train_steps=2",
-                    "adapter.schedule.max_train_steps=0", "adapter.train.warmup_steps=0",
+                    "adapter.schedule.max_train_steps=0", "adapter.schedule.max_share=0", "adapter.train.warmup_steps=0",
                      "adapter.train.batch_size=8", "adapter.schedule.min_sequences=8", "adapter.validation.margin=0.99"])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

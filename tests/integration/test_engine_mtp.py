@@ -243,7 +243,7 @@ def test_demo_adapts_the_targets_own_mtp_layers(mtp_target, tmp_path):
                      "grpo.prompts_per_step=4", "grpo.group_size=4", "eval.prompts=8", "grpo.max_tokens=48",
                      "eval.max_tokens=48", "fresh_final=false", "rl_batch_arms=false",
                      "adapter.schedule.every_n_steps=1", "adapter.schedule.train_steps=2",
-                    "adapter.schedule.max_train_steps=0", "adapter.train.warmup_steps=0",
+                    "adapter.schedule.max_train_steps=0", "adapter.schedule.max_share=0", "adapter.train.warmup_steps=0",
                      "adapter.train.batch_size=8", "adapter.schedule.min_sequences=8",
                      "adapter.validation.margin=0.99"])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -26,7 +26,7 @@ def test_verl_grpo_with_the_draft_adapted(toy_target, tmp_path):
     proc = subprocess.run(
         [sys.executable, "recipes/verl_grpo_toy.py", "--out", str(out), "--steps", "2", "--toy", str(toy_target),
          "--draft", str(draft), "--prompts", "8", "--arms", "adapted", "schedule.train_steps=2",
-         "schedule.max_train_steps=0", "train.warmup_steps=0",
+         "schedule.max_train_steps=0", "schedule.max_share=0", "train.warmup_steps=0",
          "train.batch_size=8", "schedule.min_sequences=8", "validation.max_heldout=8"],
         capture_output=True, text=True, timeout=1200, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
