@@ -262,6 +262,7 @@ class CostMeter:
         self.start: float | None = None
         self.spent = 0.0
         self.round_s: float | None = None  # the last round's duration: what the next one is expected to take
+        self.excluded_s = 0.0  # wall time the run says is not its own (not_counted)
         self._depth = 0
 
     @contextlib.contextmanager
@@ -277,16 +278,30 @@ class CostMeter:
             if not self._depth:  # a timed call inside another counts once
                 self.spent += time.perf_counter() - t0
 
+    @contextlib.contextmanager
+    def excluded(self):
+        """Wall time that is neither the run's nor the adapter's (adapter calls inside included)."""
+        t0 = time.perf_counter()
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            if self.start is not None:
+                self.excluded_s += time.perf_counter() - max(t0, self.start)
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start - self.excluded_s
+
     def share(self) -> float | None:
         if self.start is None:
             return None
-        return self.spent / max(time.perf_counter() - self.start, 1e-9)
+        return self.spent / max(self.elapsed(), 1e-9)
 
     def allows_round(self) -> bool:
         if not self.max_share or self.round_s is None or self.start is None:
             return True
-        elapsed = time.perf_counter() - self.start
-        return self.spent + self.round_s <= self.max_share * (elapsed + self.round_s)
+        return self.spent + self.round_s <= self.max_share * (self.elapsed() + self.round_s)
 
 
 class ValidationGate:
@@ -442,6 +457,12 @@ class DraftAdapter:
         A round is due when a measurement falls drift_fraction below the reference: the last
         measurement before the latest round, or a higher one since."""
         self.trigger.report(acceptance_length)
+
+    def not_counted(self):
+        """A context for work between RL steps that is not the run's (an evaluation, a
+        measurement): schedule.max_share's clock skips it, and adapter calls inside it are not
+        charged to the adapter."""
+        return self.cost.excluded()
 
     # ------------------------------------------------------------------ the round
 

@@ -22,6 +22,7 @@ swap/ms next to TRL's own reward, loss and step_time).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import sys
@@ -157,12 +158,14 @@ def make_arms_callback(rollouts, draft0: Path, prompts: list[str], cfg: TRLToyCo
                 finally:
                     engine.swap_draft(live)
 
-            if state.global_step % 2:
-                arms["frozen"].append(frozen())
-                arms["adapted"].append(measure(engine, prompts, cfg))
-            else:
-                arms["adapted"].append(measure(engine, prompts, cfg))
-                arms["frozen"].append(frozen())
+            # the measurement is not the RL step's: off the adapter's cost clock (schedule.max_share)
+            with rollouts.adapter.not_counted() if rollouts.adapter is not None else contextlib.nullcontext():
+                if state.global_step % 2:
+                    arms["frozen"].append(frozen())
+                    arms["adapted"].append(measure(engine, prompts, cfg))
+                else:
+                    arms["adapted"].append(measure(engine, prompts, cfg))
+                    arms["frozen"].append(frozen())
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if not logs or "loss" not in logs or not arms["adapted"]:

@@ -170,12 +170,9 @@ def seed_online_k(r: Run, engine, swap, row: dict) -> None:
         row["k/schedule"] = schedule_text(engine.k_schedule)
 
 
-def record_step(r: Run, row: dict, step: int, version: int, problems: list[dict]):
-    """After a step: the arms on the held-out prompts with the engines at policy ``version``
-    (outside the RL step's time), the row logged and printed. Returns the arms at the RL batch on
-    the last step (``rl_batch_arms``), else None."""
+def measure_step(r: Run, row: dict, step: int, version: int, problems: list[dict]):
+    """The arms of one step (see record_step); the row gains their figures."""
     cfg, spec, plain, adapter = r.cfg, r.spec, r.plain, r.adapter
-    t_measure = time.perf_counter()
     rl_batch = None
     if spec is not None:
         fixed_first = r.online_k is not None and step % 2 == 1  # beside the adapted arm, both orders
@@ -210,6 +207,18 @@ def record_step(r: Run, row: dict, step: int, version: int, problems: list[dict]
         m_plain = measure(plain, r.eval_prompts, cfg)
         r.arms["plain"].append(m_plain)
         row["tps/plain"] = m_plain["tokens_per_s"]
+    return rl_batch
+
+
+def record_step(r: Run, row: dict, step: int, version: int, problems: list[dict]):
+    """After a step: the arms on the held-out prompts with the engines at policy ``version``
+    (outside the RL step's time, and off the adapter's cost clock: schedule.max_share shares the
+    RL step's time, not the demo's measurements), the row logged and printed. Returns the arms
+    at the RL batch on the last step (``rl_batch_arms``), else None."""
+    cfg, spec, adapter = r.cfg, r.spec, r.adapter
+    t_measure = time.perf_counter()
+    with adapter.not_counted() if adapter is not None else contextlib.nullcontext():
+        rl_batch = measure_step(r, row, step, version, problems)
     row["stage/measure_s"] = row.get("stage/measure_s", 0.0) + time.perf_counter() - t_measure
     r.logger.log_dict({k: v for k, v in row.items() if isinstance(v, float)}, step=version)
     r.history.append(row)

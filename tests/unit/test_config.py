@@ -179,3 +179,12 @@ def test_the_trl_integration_passes_method_and_k_down(tmp_path):
 def test_an_adapter_made_directly_runs_eagle3_at_k3_and_t1():
     assert AdapterConfig().with_run_defaults() == AdapterConfig(method="eagle3", k=3, temperature=1.0)
     assert AdapterConfig(k=5).with_run_defaults().k == 5
+
+
+@pytest.mark.parametrize("override, message", [
+    ("schedule.max_share=1.5", "max_share is a fraction of the run's time"),
+    ("schedule.chase_gain=-0.1", "chase_gain is a fraction >= 0"),
+])
+def test_the_schedules_fractions_are_checked_naming_the_key(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(AdapterConfig, None, [override])

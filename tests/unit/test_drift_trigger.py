@@ -102,3 +102,17 @@ def test_the_cost_meter_defers_a_round_until_the_run_has_earned_it():
     off = CostMeter(0.0)
     off.start, off.spent, off.round_s = time.perf_counter() - 1.0, 100.0, 100.0
     assert off.allows_round()
+
+
+def test_time_the_run_says_is_not_its_own_is_off_the_clock():
+    """adapter.not_counted(): an evaluation between RL steps neither earns the adapter time nor
+    charges it for the adapter calls made inside it."""
+    meter = CostMeter(0.05)
+    with meter.timed():
+        pass
+    before = meter.spent
+    with meter.excluded():
+        with meter.timed():
+            time.sleep(0.05)
+    assert meter.spent == before and meter.excluded_s >= 0.05
+    assert meter.elapsed() < 0.05
