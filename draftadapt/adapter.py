@@ -73,6 +73,10 @@ class ScheduleConfig:
     # time since its first call; the round stays due and runs once the run has earned the time.
     # Chase and drift rounds then take the time the schedule would have spent later. 0 = off.
     max_share: float = 0.0
+    # Under max_share, the rounds a drift or a chase calls for may run this many rounds' time
+    # ahead of the budget (the burst is when following pays); the schedule's rounds wait until
+    # the run has paid the advance back.
+    burst_rounds: int = 0
 
     def validate(self) -> None:
         if self.every_n_steps < 0 or self.train_steps < 1 or not 0 <= self.drift_fraction < 1:
@@ -80,6 +84,8 @@ class ScheduleConfig:
                 "schedule: every_n_steps >= 0, train_steps >= 1 and 0 <= drift_fraction < 1 "
                 f"(got {self.every_n_steps}, {self.train_steps}, {self.drift_fraction})"
             )
+        if self.burst_rounds < 0:
+            raise ConfigError(f"schedule: burst_rounds >= 0 (got {self.burst_rounds})")
         if not 0 <= self.max_share < 1:
             raise ConfigError(f"schedule: max_share is a fraction of the run's time in [0, 1), 0 = off (got {self.max_share})")
         if self.chase_gain < 0:
@@ -298,10 +304,12 @@ class CostMeter:
             return None
         return self.spent / max(self.elapsed(), 1e-9)
 
-    def allows_round(self) -> bool:
+    def allows_round(self, advance_rounds: int = 0) -> bool:
+        """Would the next round fit the budget, ``advance_rounds`` rounds' time ahead allowed?"""
         if not self.max_share or self.round_s is None or self.start is None:
             return True
-        return self.spent + self.round_s <= self.max_share * (self.elapsed() + self.round_s)
+        budget = self.max_share * (self.elapsed() + self.round_s) + advance_rounds * self.round_s
+        return self.spent + self.round_s <= budget
 
 
 class ValidationGate:
@@ -479,7 +487,8 @@ class DraftAdapter:
         share = self.cost.share()
         if share is not None:
             metrics["adapt/share"] = share
-        if due and not force and not self.cost.allows_round():
+        urgent = why in ("drift", "chase")
+        if due and not force and not self.cost.allows_round(self.cfg.schedule.burst_rounds if urgent else 0):
             # over schedule.max_share: the round stays due and runs when the run has earned the time
             metrics.update({"adapt/skipped": 1.0, "adapt/deferred": 1.0})
             self._log(metrics)

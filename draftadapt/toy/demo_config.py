@@ -64,12 +64,14 @@ def toy_adapter() -> AdapterConfig:
     block still raises the held-out score by 1%, and a round whose candidate beat the live draft
     by 3% brings the next one at the next step (the policy is running away). A due round waits
     while the adapter's calls would pass 4.5% of the run's time (the issue's bar is 5% of the RL
-    step; the rest is the hand-over inside the trainer's forward and the boundary's own work).
+    step; the rest is the hand-over inside the trainer's forward and the boundary's own work),
+    except that drift and chase rounds may run two rounds ahead of that budget.
     """
     return AdapterConfig(
         recency_decay=0.25,  # the newest rollouts weigh most: the policy moves fast here
         schedule=ScheduleConfig(every_n_steps=2, drift_fraction=0.03, train_steps=8, max_train_steps=16,
-                                catchup_gain=0.01, chase_gain=0.03, max_share=0.045),
+                                catchup_gain=0.01, chase_gain=0.03, max_share=0.045,
+                                burst_rounds=2),
         validation=ValidateConfig(max_heldout=32),
         train=replace(AdapterConfig().train, lr=2e-3, warmup_steps=16, batch_size=16, ttt_slots=0.25))
 
