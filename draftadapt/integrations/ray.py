@@ -41,6 +41,7 @@ of :class:`EngineServer`: ``generate``, ``update_policy``, ``swap``, ``check_int
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import tempfile
@@ -485,6 +486,15 @@ class AdapterServer:
         value = getattr(self.adapter, name)
         return value(*args, **kwargs) if callable(value) else value
 
+    def not_counted(self, begin: bool) -> None:
+        """Open (begin) or close the adapter's not_counted() span, one call each across Ray."""
+        if begin:
+            self._not_counted = self.adapter.not_counted()
+            self._not_counted.__enter__()
+        elif getattr(self, "_not_counted", None) is not None:
+            span, self._not_counted = self._not_counted, None
+            span.__exit__(None, None, None)
+
 
 class RemoteAdapter:
     """A DraftAdapter in a Ray actor of its own, called as if it were here (every method blocks
@@ -529,6 +539,15 @@ class RemoteAdapter:
 
     def report_measured(self, acceptance_length: float) -> None:
         self._call("report_measured", acceptance_length)
+
+    @contextlib.contextmanager
+    def not_counted(self):
+        """As DraftAdapter.not_counted: the span is off the actor's cost clock."""
+        _ray().get(self.actor.not_counted.remote(True))
+        try:
+            yield
+        finally:
+            _ray().get(self.actor.not_counted.remote(False))
 
     def step(self, force: bool = False) -> dict[str, float]:
         return self._call("step", force)
