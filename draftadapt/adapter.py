@@ -31,7 +31,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, ClassVar, Iterable, Sequence
+from typing import Any, ClassVar, Iterable, Iterator, Sequence
 
 import torch
 
@@ -127,8 +127,15 @@ class AdapterConfig:
     replay_max_tokens: int = 200_000  # bound of the replay buffer in tokens
     replay_max_bytes: int = 512 << 20  # and in bytes (handed-over hidden states count)
     recency_decay: float = 0.5  # sampling weight of a sequence = decay ** (newest version - its version)
+    # Prioritized replay: the weight is also multiplied by (the draft's loss on the sequence the
+    # last time it was trained on) ** priority; sequences not trained on yet count as the hardest
+    # seen. While a new behaviour takes over the policy, its rollouts are the ones the draft is
+    # worst at, and they are drawn before they dominate the buffer. 0 = off (docs/design.md,
+    # "Following the drift").
+    priority: float = 0.0
     # Regroup one training round's draws by length (same sequences, same number of steps): each
-    # batch pads to its own longest sequence instead of to the longest of a random mix.
+    # batch pads to its own longest sequence instead of to the longest of a random mix. Not with
+    # priority > 0 (its batches are drawn one step at a time).
     group_by_length: bool = True
     # What the draft learns to match for rollouts handed over with their states: "sampling" = the
     # policy that sampled them (the hand-over's tensors as they are; no policy forward), "current"
@@ -153,6 +160,8 @@ class AdapterConfig:
     def validate(self) -> None:
         if self.method is not None and self.method not in METHODS:
             raise ConfigError(f"adapter.method {self.method!r}: use one of {', '.join(METHODS)}")
+        if not self.priority >= 0:
+            raise ConfigError(f"adapter.priority is an exponent >= 0, 0 = off (got {self.priority})")
         if self.targets not in ("sampling", "current"):
             raise ConfigError(f"adapter.targets {self.targets!r}: use 'sampling' or 'current'")
         if self.handover_store not in ("logp", "hidden"):
@@ -564,11 +573,25 @@ class DraftAdapter:
 
     def _train_block(self, train: list[ReplayItem], n: int) -> dict[str, float]:
         """``n`` optimizer steps on batches drawn from ``train`` (recent versions weighted up)."""
+        if self.cfg.priority:
+            return self.trainer.train_steps(self._prioritized_batches(train, n), n=n)
         bs = self.cfg.train.batch_size
         picks = [self.replay.sample(n_seqs=bs, rng=self.rng, items=train) for _ in range(n)]
         if self.cfg.group_by_length:
             picks = group_by_length(picks, self.rng)
         return self.trainer.train_steps((self.targets.batch(p) for p in picks), n=n)
+
+    def _prioritized_batches(self, train: list[ReplayItem], n: int) -> Iterator[CapturedBatch]:
+        """AdapterConfig.priority: ``n`` batches, each drawn after the step before it recorded
+        the draft's loss on the sequences it trained on (drawn a step at a time, they are not
+        regrouped by length: on seed 2's spool, drawing a block ahead and regrouping it lost
+        most of what the priorities gain; docs/design.md, "Following the drift")."""
+        for _ in range(n):
+            pick = self.replay.sample(n_seqs=self.cfg.train.batch_size, rng=self.rng, items=train,
+                                      priority=self.cfg.priority)
+            yield self.targets.batch(pick)
+            # resumed once the trainer has taken its step on that batch
+            self.replay.prioritize(pick, self.trainer.last_row_losses)
 
     def _score_candidate(self, held: list[CapturedBatch]) -> float:
         """The trainer's draft as it stands, scored in place (no export copy)."""

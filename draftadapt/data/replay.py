@@ -13,6 +13,11 @@ Recency: a sequence of version v is drawn with weight ``recency_decay ** (newest
 policy drifts, so old rollouts describe a distribution the draft no longer has to match
 (0.5 halves the weight per version; 0 uses the newest version only; 1 is uniform).
 
+Priority: ``sample(priority=a)`` also weighs each sequence by ``loss ** a``, the draft's loss on it
+the last time it was trained on (``prioritize``); a sequence not trained on yet counts as the
+hardest seen. What the draft has not learned yet (a style the policy is turning to) is drawn
+more often than its share of the buffer (prioritized replay, Schaul et al. 2016).
+
 Validation: with ``holdout_fraction`` f > 0, a deterministic f of each version's distinct prompts
 (the 1st, then about every 1/f-th new prompt) is held out, with every sequence sampled from it.
 Whole prompts, because GRPO-style groups sample one prompt several times: a held-out rollout
@@ -54,6 +59,9 @@ class ReplayItem:
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # per sequence, e.g. aux_hidden [T, D]
     source: str | None = None  # where it came from, e.g. "<shard name>#<index>"
     holdout: bool = False  # a validation position of its version (see heldout())
+    # the draft's mean loss on this sequence the last time it was trained on; None: not yet
+    # (sample(priority=...) draws the sequences the draft is worst at more often)
+    priority: float | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -277,8 +285,10 @@ class ReplayBuffer:
         n_tokens: int | None = None,
         rng: np.random.Generator | random.Random | int | None = None,
         items: Sequence[ReplayItem] | None = None,
+        priority: float = 0.0,
     ) -> list[ReplayItem]:
-        """Draw without replacement, each sequence weighted ``decay ** (newest - version)``.
+        """Draw without replacement, each sequence weighted ``decay ** (newest - version)``, times
+        ``loss ** priority`` with ``priority`` > 0 (``prioritize``; never trained on: the highest).
 
         Give ``n_seqs`` (that many sequences) or ``n_tokens`` (sequences until their tokens reach
         it; the last one may overshoot). Draws from the trainable part (not :meth:`heldout`), or
@@ -300,6 +310,8 @@ class ReplayBuffer:
         # one weight per version (decay ** age), not one call per item: this runs every optimizer step
         ages = newest - np.fromiter((it.policy_version for it in items), dtype=np.int64, count=len(items))
         weights = float(self.recency_decay) ** ages.astype(np.float64)
+        if priority:
+            weights = weights * self._priorities(items) ** priority
         keep = np.flatnonzero(weights > 0)
         if keep.size < len(items):
             items, weights = [items[i] for i in keep], weights[keep]
@@ -318,6 +330,28 @@ class ReplayBuffer:
             out.append(items[i])
             total += items[i].num_tokens
         return out
+
+    @staticmethod
+    def _priorities(items: Sequence[ReplayItem]) -> np.ndarray:
+        pr = np.fromiter((np.nan if it.priority is None else it.priority for it in items), dtype=np.float64,
+                         count=len(items))
+        seen = ~np.isnan(pr)
+        if not seen.any():
+            return np.ones(len(items))
+        top = pr[seen].max()
+        # not trained on yet: as the hardest seen (new rollouts are drawn first); a floor keeps a
+        # learned sequence drawable
+        return np.maximum(np.where(seen, pr, top), max(top, 1e-12) * 1e-3)
+
+    def prioritize(self, items: Sequence[ReplayItem], losses: Sequence[float] | torch.Tensor) -> None:
+        """Record the draft's loss on each of ``items`` (one value each, in order) for ``sample``'s
+        priority; a non-finite loss leaves the item as it was."""
+        losses = torch.as_tensor(losses, dtype=torch.float64).reshape(-1).tolist()
+        if len(losses) != len(items):
+            raise ValueError(f"prioritize: {len(losses)} losses for {len(items)} items")
+        for it, v in zip(items, losses):
+            if math.isfinite(v):
+                it.priority = max(float(v), 0.0)
 
     # ------------------------------------------------------------------ state
 
@@ -345,6 +379,7 @@ class ReplayBuffer:
                     "tensors": dict(it.tensors),
                     "source": it.source,
                     "holdout": it.holdout,
+                    "priority": it.priority,
                 }
                 for it in self
             ],
@@ -362,6 +397,7 @@ class ReplayBuffer:
             it = ReplayItem(
                 int(d["uid"]), int(d["policy_version"]), d["token_ids"].to(torch.int32),
                 int(d["prompt_len"]), dict(d["tensors"]), d["source"], bool(d["holdout"]),
+                None if d.get("priority") is None else float(d["priority"]),
             )
             if it.policy_version not in self._by_version:
                 self._by_version[it.policy_version] = deque()

@@ -69,6 +69,7 @@ def toy_adapter() -> AdapterConfig:
     """
     return AdapterConfig(
         recency_decay=0.25,  # the newest rollouts weigh most: the policy moves fast here
+        priority=1.0,  # and what the draft is worst at: the style the policy turns to
         schedule=ScheduleConfig(every_n_steps=2, drift_fraction=0.03, train_steps=8, max_train_steps=16,
                                 catchup_gain=0.01, chase_gain=0.03, max_share=0.045,
                                 burst_rounds=2),

@@ -22,11 +22,15 @@ def forward_kl(draft_logits: torch.Tensor, target_logp: torch.Tensor, mask: torc
     (renormalised here, so KL = 0 exactly when the draft equals the restricted target);
     mask: [...] bool -> scalar.
     """
+    return _masked_mean(_kl(draft_logits, target_logp), mask)
+
+
+def _kl(draft_logits: torch.Tensor, target_logp: torch.Tensor) -> torch.Tensor:
+    """KL(p || q) at every position: [..., Vd], [..., Vd] -> [...]."""
     logp = torch.log_softmax(target_logp.float(), dim=-1)  # [..., Vd] restricted + renormalised
     logq = torch.log_softmax(draft_logits.float(), dim=-1)
     p = logp.exp()
-    kl = torch.where(p > 0, p * (logp - logq), torch.zeros_like(p)).sum(-1)  # [...]; 0 log 0 = 0
-    return _masked_mean(kl, mask)
+    return torch.where(p > 0, p * (logp - logq), torch.zeros_like(p)).sum(-1)  # 0 log 0 = 0
 
 
 def cross_entropy(draft_logits: torch.Tensor, target_draft_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -34,13 +38,26 @@ def cross_entropy(draft_logits: torch.Tensor, target_draft_ids: torch.Tensor, ma
 
     draft_logits: [..., Vd]; target_draft_ids: [...] long draft ids or -1; mask: [...] bool -> scalar.
     """
+    return _masked_mean(*_nll(draft_logits, target_draft_ids, mask))
+
+
+def _nll(draft_logits: torch.Tensor, target_draft_ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """-log q(sampled token) at every position, and the mask less ids outside the draft vocab."""
     keep = mask & (target_draft_ids >= 0)
     nll = F.cross_entropy(
         draft_logits.float().reshape(-1, draft_logits.shape[-1]),
         target_draft_ids.clamp_min(0).reshape(-1),
         reduction="none",
     ).view(target_draft_ids.shape)
-    return _masked_mean(nll, keep)
+    return nll, keep
+
+
+def _point_loss(kind: str, logits: torch.Tensor, target_logp: torch.Tensor, ids: torch.Tensor | None,
+                mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The loss at every position and the positions that count: [B, T] each."""
+    if kind == "kl":
+        return _kl(logits, target_logp), mask
+    return _nll(logits, ids, mask)
 
 
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -48,6 +65,13 @@ def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     # Sum over an empty mask is 0 with a zero gradient, not NaN: a batch whose sequences are all
     # shorter than the unroll depth must not poison the optimizer state.
     return (x * m).sum() / m.sum().clamp_min(1.0)
+
+
+@torch.no_grad()
+def row_means(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per sequence, the mean of ``x`` over its masked positions: [B, T], [B, T] -> [B] (0 where none)."""
+    m = mask.to(x.dtype)
+    return (x * m).sum(-1) / m.sum(-1).clamp_min(1.0)
 
 
 def ttt_targets(target_logp: torch.Tensor, loss_mask: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,7 +91,7 @@ def ttt_loss(
     target_draft_ids: torch.Tensor | None = None,
     slots: torch.Tensor | None = None,
     slot_ok: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
     """Eagle-3 training-time-test loss: a weighted sum over unrolled steps.
 
     step_logits: S tensors [B, T, Vd] from ``Eagle3Head.unroll`` (step i at slot t predicts token
@@ -77,7 +101,8 @@ def ttt_loss(
     draft id of token t + 1, -1 outside the draft vocab).
     ``slots`` [B, M] / ``slot_ok`` [B, M] bool: steps >= 1 ran at these positions only (their
     logits are [B, M, Vd]; ``slot_ok`` False marks filler slots), as ``Eagle3Head.unroll(slots=)``.
-    Returns (loss scalar, per-step losses, per-step top-1 agreement with the target's argmax).
+    Returns (loss scalar, per-step losses, per-step top-1 agreement with the target's argmax,
+    per-sequence loss of the first step [B], detached: what the replay buffer's priorities read).
     """
     if kind not in ("kl", "ce"):
         raise ValueError(f"unknown draft loss {kind!r}; use 'kl' or 'ce'")
@@ -85,6 +110,7 @@ def ttt_loss(
         raise ValueError("the 'ce' loss needs target_draft_ids (the sampled tokens as draft ids)")
     total = step_logits[0].new_zeros((), dtype=torch.float32)
     losses, accs = [], []
+    rows = step_logits[0].new_zeros(step_logits[0].shape[0], dtype=torch.float32)
     for i, logits in enumerate(step_logits):
         tgt, mask = ttt_targets(target_logp, loss_mask, i)
         ids = shift_left(target_draft_ids, i + 1, -1) if kind == "ce" else None
@@ -92,34 +118,33 @@ def ttt_loss(
             tgt = tgt.gather(1, slots[..., None].expand(-1, -1, tgt.shape[-1]))
             mask = mask.gather(1, slots) & slot_ok
             ids = ids.gather(1, slots) if ids is not None else None
-        if kind == "kl":
-            loss = forward_kl(logits, tgt, mask)
-        else:
-            loss = cross_entropy(logits, ids, mask)
+        point, counted = _point_loss(kind, logits, tgt, ids, mask)
+        loss = _masked_mean(point, counted)
+        if i == 0:
+            rows = row_means(point.detach(), counted)
         total = total + step_weights[i] * loss
         losses.append(loss.detach())
         accs.append(top1_agreement(logits, tgt, mask))
-    return total, losses, accs
+    return total, losses, accs, rows
 
 
 def distill_loss(
     draft_logits: torch.Tensor, target_logp: torch.Tensor, loss_mask: torch.Tensor, kind: str = "kl",
     target_ids: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Small draft LM distillation: position t predicts token t + 1, teacher-forced.
 
     draft_logits: [B, T, V]; target_logp: [B, T, V]; loss_mask: [B, T] bool; kind "kl" or "ce"
-    (``target_ids`` [B, T] = token t + 1). Returns (loss, top-1 agreement with the target).
+    (``target_ids`` [B, T] = token t + 1). Returns (loss, top-1 agreement with the target,
+    per-sequence loss [B], detached).
     """
-    if kind == "kl":
-        loss = forward_kl(draft_logits, target_logp, loss_mask)
-    elif kind == "ce":
-        if target_ids is None:
-            raise ValueError("the 'ce' loss needs target_ids (the sampled next tokens)")
-        loss = cross_entropy(draft_logits, target_ids, loss_mask)
-    else:
+    if kind not in ("kl", "ce"):
         raise ValueError(f"unknown draft loss {kind!r}; use 'kl' or 'ce'")
-    return loss, top1_agreement(draft_logits, target_logp, loss_mask)
+    if kind == "ce" and target_ids is None:
+        raise ValueError("the 'ce' loss needs target_ids (the sampled next tokens)")
+    point, counted = _point_loss(kind, draft_logits, target_logp, target_ids, loss_mask)
+    return (_masked_mean(point, counted), top1_agreement(draft_logits, target_logp, loss_mask),
+            row_means(point.detach(), counted))
 
 
 @torch.no_grad()

@@ -111,17 +111,17 @@ class Eagle3Method(Eagle3Spec):
 
     def loss(self, model: nn.Module, batch, cfg, weights: list[float], labels: torch.Tensor | None, draw_slots):
         """(loss, per-step losses, per-step accuracies, step logits for the simulated acceptance or
-        [] when TTT steps >= 1 ran at ``draw_slots(loss_mask)`` only)."""
+        [] when TTT steps >= 1 ran at ``draw_slots(loss_mask)`` only, per-sequence loss [B])."""
         slots, slot_ok = draw_slots(batch.loss_mask)
         if slots is None:
             steps = self.step_logits(model, batch, cfg.ttt_steps)
         else:
             steps = model(batch.input_ids, batch.aux, cfg.ttt_steps, slots)
-        loss, per_step, accs = losses.ttt_loss(steps, batch.target_logp, batch.loss_mask, weights, cfg.loss,
-                                               labels, slots, slot_ok)
+        loss, per_step, accs, rows = losses.ttt_loss(steps, batch.target_logp, batch.loss_mask, weights, cfg.loss,
+                                                     labels, slots, slot_ok)
         if slots is not None:
             steps = []  # not every position: no simulated acceptance on this batch
-        return loss, per_step, accs, steps
+        return loss, per_step, accs, steps, rows
 
 
 class DraftLMMethod(DraftLMSpec):
@@ -179,8 +179,8 @@ class DraftLMMethod(DraftLMSpec):
 
     def loss(self, model: nn.Module, batch, cfg, weights: list[float], labels: torch.Tensor | None, draw_slots):
         logits = model(batch.input_ids, batch.attention_mask)
-        loss, acc = losses.distill_loss(logits, batch.target_logp, batch.loss_mask, cfg.loss, labels)
-        return loss, [loss.detach()], [acc], lm_step_logits(logits.detach(), cfg.ttt_steps)
+        loss, acc, rows = losses.distill_loss(logits, batch.target_logp, batch.loss_mask, cfg.loss, labels)
+        return loss, [loss.detach()], [acc], lm_step_logits(logits.detach(), cfg.ttt_steps), rows
 
 
 class MTPMethod(MTPSpec):

@@ -207,6 +207,9 @@ class DraftTrainer:
         self._slot_rng = torch.Generator().manual_seed(cfg.seed)  # TTT slot draws (cfg.ttt_slots)
         self.precision = cfg.precision if cfg.precision != "auto" else ("bf16" if self.device.type == "cuda" else "fp32")
         self.step = 0  # optimizer steps taken
+        # the last step's loss per sequence of its batch (this rank's rows, first TTT step): the
+        # adapter's replay priorities (AdapterConfig.priority)
+        self.last_row_losses: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ properties
 
@@ -272,12 +275,12 @@ class DraftTrainer:
             return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def _loss(self, batch: CapturedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[torch.Tensor]]:
+    def _loss(self, batch: CapturedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[torch.Tensor], torch.Tensor]:
         labels = self._sampled_draft_ids(batch.input_ids) if self.cfg.loss == "ce" else None
-        loss, per_step, accs, steps = self.method.loss(self.model, batch, self.cfg, self.weights, labels, self._slots)
+        loss, per_step, accs, steps, rows = self.method.loss(self.model, batch, self.cfg, self.weights, labels, self._slots)
         parts = {f"loss_pos_{i}": l for i, l in enumerate(per_step)}
         parts.update({f"acc_pos_{i}": a for i, a in enumerate(accs)})
-        return loss, parts, steps
+        return loss, parts, steps, rows
 
     def train_step(self, batch: CapturedBatch) -> dict[str, float]:
         """One optimizer step on one captured batch; returns metrics averaged over ranks.
@@ -293,7 +296,8 @@ class DraftTrainer:
         batch = batch.to(self.device)
         self.model.train()
         with self._autocast():
-            loss, parts, steps = self._loss(batch)
+            loss, parts, steps, rows = self._loss(batch)
+        self.last_row_losses = rows.float().cpu()
         self.accelerator.backward(loss)
         grad_norm = torch.zeros(())
         if self.cfg.grad_clip and not self.is_deepspeed:  # DeepSpeed clips from its own config

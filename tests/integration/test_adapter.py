@@ -304,6 +304,35 @@ def test_catch_up_trains_more_only_while_it_pays(world, toy_target, max_train_st
     assert m["adapt/trained"] == 1.0 and m["adapt/train_steps"] == expected_steps, m
 
 
+def _priorities_after_a_round(adapter, steps: int, batch: int):
+    """The round's draws got the trainer's per-sequence losses; the held-out rollouts none."""
+    held = {it.uid for it in adapter.replay.heldout()}
+    seen = [it for it in adapter.replay if it.priority is not None]
+    assert seen and all(it.uid not in held for it in seen)
+    assert len(seen) <= steps * batch
+    assert all(0 < it.priority < 50 for it in seen), [it.priority for it in seen]
+    last = adapter.trainer.last_row_losses
+    assert last is not None and last.shape == (batch,)
+    # the last batch's losses are what its sequences now carry
+    assert {round(v, 6) for v in last.tolist()} <= {round(it.priority, 6) for it in seen}
+    return seen
+
+
+def test_prioritized_rounds_record_each_draws_loss(world, toy_target):
+    """adapter.priority: a round draws one optimizer step at a time and records the draft's loss
+    on each sequence it trained on; a prioritized round still trains and publishes."""
+    cfg = small_cfg(batch_size=8)
+    cfg.priority = 1.0
+    adapter = DraftAdapter(toy_target, world["draft0"], world["root"] / "priority", cfg)
+    adapter.observe(rollouts(world, seed=7), policy_version=0)
+    m = adapter.step()
+    assert m["adapt/trained"] == 1.0 and m["adapt/train_steps"] == 6, m
+    assert m["adapt/published"] == 1.0 and m["accept/simulated_length"] > m["accept/simulated_live"], m
+    _priorities_after_a_round(adapter, steps=6, batch=8)
+    with pytest.raises(ConfigError, match="adapter.priority"):
+        AdapterConfig(priority=-1.0).validate()
+
+
 def test_catch_up_config_is_checked():
     with pytest.raises(ConfigError, match="max_train_steps"):
         AdapterConfig(schedule=ScheduleConfig(train_steps=10, max_train_steps=5)).validate()
@@ -314,11 +343,14 @@ def test_draft_lm_adapts_and_swaps(toy_target, tmp_path):
     draft0 = init_draft(toy_target, "draft_model", tmp_path / "lm0", seed=0)
     engine = start_engine(toy_target, draft0, method="draft_model", k=K)
     try:
-        adapter = DraftAdapter(toy_target, draft0, tmp_path / "out", small_cfg("draft_model"))
+        cfg = small_cfg("draft_model")
+        cfg.priority = 1.0  # the draft LM's per-sequence losses feed the replay priorities too
+        adapter = DraftAdapter(toy_target, draft0, tmp_path / "out", cfg)
         gen = engine.generate(toy_prompts(toy_target, 48), temperature=1.0, max_tokens=64, seed=1)
         adapter.observe(gen.rollouts, policy_version=0)
         m = adapter.step()
         assert m["adapt/published"] == 1.0, m
+        _priorities_after_a_round(adapter, steps=6, batch=8)
         assert m["accept/simulated_length"] > m["accept/simulated_live"], m
         res = adapter.swap(engine)
         assert res is not None and res.version == 2

@@ -76,15 +76,24 @@ def test_ttt_loss_shapes_weights_and_targets():
     mask = torch.ones(B, T, dtype=torch.bool)
     w = losses.step_weights(3, 0.8)
     assert w == pytest.approx([1.0, 0.8, 0.64])
-    total, per_step, accs = losses.ttt_loss(steps, target_logp, mask, w)
+    mask[1, 5:] = False  # rows of different lengths: the per-row means weigh each row's own positions
+    total, per_step, accs, rows = losses.ttt_loss(steps, target_logp, mask, w)
     assert total.ndim == 0 and len(per_step) == 3 and len(accs) == 3
     assert total.item() == pytest.approx(sum(wi * li.item() for wi, li in zip(w, per_step)), rel=1e-5)
+    # the per-sequence loss of step 0 (the replay priorities): each row's own KL mean, and their
+    # token-weighted mean is step 0's loss
+    assert rows.shape == (B,) and not rows.requires_grad
+    tgt0, m0 = losses.ttt_targets(target_logp, mask, 0)
+    for b in range(B):
+        assert rows[b].item() == pytest.approx(losses.forward_kl(steps[0][b], tgt0[b], m0[b]).item(), rel=1e-5)
+    n = m0.sum(-1).float()
+    assert ((rows * n).sum() / n.sum()).item() == pytest.approx(per_step[0].item(), rel=1e-5)
     total.backward()
     assert head.fc.weight.grad is not None and head.fc.weight.grad.abs().sum() > 0
     # step i is compared with the target at slot t + i + 1: a draft equal to that target has KL 0
     exact = [losses.shift_left(target_logp, i + 1, 0.0) for i in range(3)]
-    total, per_step, accs = losses.ttt_loss(exact, target_logp, mask, w)
-    assert total.item() == pytest.approx(0.0, abs=1e-5)
+    total, per_step, accs, rows = losses.ttt_loss(exact, target_logp, mask, w)
+    assert total.item() == pytest.approx(0.0, abs=1e-5) and rows.abs().max().item() < 1e-5
     assert all(a.item() == pytest.approx(1.0) for a in accs)
 
 
@@ -160,8 +169,12 @@ def test_distill_loss_zero_at_target():
     g = torch.Generator().manual_seed(2)
     target_logp = torch.log_softmax(torch.randn(B, T, V, generator=g), -1)
     mask = torch.ones(B, T, dtype=torch.bool)
-    loss, acc = losses.distill_loss(target_logp.clone(), target_logp, mask)
+    loss, acc, rows = losses.distill_loss(target_logp.clone(), target_logp, mask)
     assert loss.item() == pytest.approx(0.0, abs=1e-6) and acc.item() == 1.0
+    assert rows.shape == (B,) and rows.abs().max().item() < 1e-6
+    other = torch.log_softmax(torch.randn(B, T, V, generator=g), -1)
+    loss, _, rows = losses.distill_loss(other, target_logp, mask, kind="ce", target_ids=target_logp.argmax(-1))
+    assert rows.min().item() > 0 and rows.mean().item() == pytest.approx(loss.item(), rel=1e-5)
     with pytest.raises(ValueError):
         losses.distill_loss(target_logp, target_logp, mask, kind="mse")
 
@@ -194,7 +207,7 @@ def test_ttt_loss_at_slots_matches_the_full_loss_on_those_positions():
     mask[:, :3] = False
     slots = torch.tensor([[3, 5, 6, 9], [4, 5, 8, 8]])
     ok = torch.tensor([[True, True, True, True], [True, True, True, False]])
-    _, part, _ = losses.ttt_loss(ttt(ids, aux, slots=slots), target_logp, mask, [1.0, 0.8, 0.64], slots=slots, slot_ok=ok)
+    _, part, _, _ = losses.ttt_loss(ttt(ids, aux, slots=slots), target_logp, mask, [1.0, 0.8, 0.64], slots=slots, slot_ok=ok)
     full = ttt(ids, aux)
     for j in (1, 2):
         tgt, m = losses.ttt_targets(target_logp, mask, j)
