@@ -127,6 +127,20 @@ def test_demo_smoke(toy_target, tmp_path):
     bad = subprocess.run(cmd[:8] + ["--try", "schedule.no_such_key=1"], capture_output=True, text=True, cwd=REPO)
     assert bad.returncode == 2 and "no_such_key" in bad.stderr, bad.stderr
 
+    # How far each update moved the policy, from the same spool (it holds every policy version):
+    # the two forwards differ (an update that never reached the checkpoints reads exactly 0), and
+    # one small-rate GRPO step moves a per-token distribution by far less than half its mass.
+    shift_cmd = [sys.executable, str(REPO / "scripts" / "policy_shift.py"), "--spool", str(tmp_path / "spool"),
+                 "--target", str(toy_target), "--json", "--max-seqs", "32"]
+    proc = subprocess.run(shift_cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    shifts = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [r["step"] for r in shifts] == [0, 1, 2], shifts
+    for r in shifts:
+        assert 0 < r["tv_per_token"] < 0.2 and r["kl_per_token"] > 0 and r["tokens"] > 0, r
+    missing = subprocess.run(shift_cmd + ["--steps", "99"], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert missing.returncode != 0 and "no recorded step" in missing.stderr, missing.stderr
+
 
 def flatten(d: dict, prefix: str = ""):
     for k, v in d.items():
