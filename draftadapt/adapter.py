@@ -38,7 +38,7 @@ import torch
 from draftadapt.capture.hidden import CapturedBatch, HandOver
 from draftadapt.capture.policy import PolicyCopy, Targets
 from draftadapt.config import ConfigError
-from draftadapt.data.replay import ReplayBuffer, ReplayItem
+from draftadapt.data.replay import MAX_PRIORITY, ReplayBuffer, ReplayItem
 from draftadapt.data.sequences import as_sequences
 from draftadapt.data.store import DraftStore
 from draftadapt.drafts.formats import check_draft_for_target, detect_format, read_hf_config
@@ -130,8 +130,9 @@ class AdapterConfig:
     # Prioritized replay: the weight is also multiplied by (the draft's loss on the sequence the
     # last time it was trained on) ** priority; sequences not trained on yet count as the hardest
     # seen. While a new behaviour takes over the policy, its rollouts are the ones the draft is
-    # worst at, and they are drawn before they dominate the buffer. 0 = off (docs/design.md,
-    # "Following the drift").
+    # worst at, and they are drawn several times their share before they dominate the buffer
+    # (no importance correction: the bias towards them is the point). 0 = off (docs/design.md,
+    # "Prioritized replay").
     priority: float = 0.0
     # Regroup one training round's draws by length (same sequences, same number of steps): each
     # batch pads to its own longest sequence instead of to the longest of a random mix. Not with
@@ -160,8 +161,8 @@ class AdapterConfig:
     def validate(self) -> None:
         if self.method is not None and self.method not in METHODS:
             raise ConfigError(f"adapter.method {self.method!r}: use one of {', '.join(METHODS)}")
-        if not self.priority >= 0:
-            raise ConfigError(f"adapter.priority is an exponent >= 0, 0 = off (got {self.priority})")
+        if not 0 <= self.priority <= MAX_PRIORITY:
+            raise ConfigError(f"adapter.priority is an exponent in [0, {MAX_PRIORITY}], 0 = off (got {self.priority})")
         if self.targets not in ("sampling", "current"):
             raise ConfigError(f"adapter.targets {self.targets!r}: use 'sampling' or 'current'")
         if self.handover_store not in ("logp", "hidden"):
@@ -276,7 +277,9 @@ class CostMeter:
         self.max_share = max_share
         self.start: float | None = None
         self.spent = 0.0
-        self.round_s: float | None = None  # the last round's duration: what the next one is expected to take
+        # the last round's duration up to its first block scored (its catch-up blocks ask for
+        # their own time): what the next round is expected to take at least
+        self.round_s: float | None = None
         self.excluded_s = 0.0  # wall time the run says is not its own (not_counted)
         self._depth = 0
 
@@ -315,10 +318,17 @@ class CostMeter:
 
     def allows_round(self, advance_rounds: int = 0) -> bool:
         """Would the next round fit the budget, ``advance_rounds`` rounds' time ahead allowed?"""
-        if not self.max_share or self.round_s is None or self.start is None:
+        if self.round_s is None:
             return True
-        budget = self.max_share * (self.elapsed() + self.round_s) + advance_rounds * self.round_s
-        return self.spent + self.round_s <= budget
+        return self.allows(self.round_s, advance_rounds * self.round_s)
+
+    def allows(self, cost_s: float, advance_s: float = 0.0, running_s: float = 0.0) -> bool:
+        """Would ``cost_s`` more seconds fit the budget, ``advance_s`` ahead of it allowed?
+        ``running_s``: what the call in progress has spent so far (not in ``spent`` yet)."""
+        if not self.max_share or self.start is None:
+            return True
+        budget = self.max_share * (self.elapsed() + cost_s) + advance_s
+        return self.spent + running_s + cost_s <= budget
 
 
 class ValidationGate:
@@ -524,13 +534,19 @@ class DraftAdapter:
         self.refresh_shared_embeddings()
         sched = self.cfg.schedule
         budget = max(sched.max_train_steps, sched.train_steps)
-        done, before = 0, live
+        advance_s = sched.burst_rounds * (self.cost.round_s or 0.0) if urgent else 0.0
+        done, before, first_s = 0, live, None
         while True:
+            t_block = time.perf_counter()
             train_metrics = self._train_block(train, sched.train_steps)
             done += sched.train_steps
             candidate = self._score_candidate(held)
-            # another block only while the last one still paid off (the draft is behind the policy)
-            if done + sched.train_steps > budget or candidate < before * (1 + sched.catchup_gain):
+            now = time.perf_counter()
+            first_s = first_s or now - t0
+            # another block only while the last one still paid off (the draft is behind the
+            # policy), and, under max_share, while another block's time fits the budget
+            if (done + sched.train_steps > budget or candidate < before * (1 + sched.catchup_gain)
+                    or not (force or self.cost.allows(now - t_block, advance_s, running_s=now - t0))):
                 break
             before = candidate
         metrics.update({k: v for k, v in train_metrics.items() if k.startswith("train/")})
@@ -567,7 +583,8 @@ class DraftAdapter:
         else:
             metrics["adapt/rejected"] = 1.0
         self.trigger.trained(published, candidate, live)
-        metrics["stage/adapt_s"] = self.cost.round_s = time.perf_counter() - t0
+        metrics["stage/adapt_s"] = time.perf_counter() - t0
+        self.cost.round_s = first_s
         self._log(metrics)
         return metrics
 
@@ -584,8 +601,9 @@ class DraftAdapter:
     def _prioritized_batches(self, train: list[ReplayItem], n: int) -> Iterator[CapturedBatch]:
         """AdapterConfig.priority: ``n`` batches, each drawn after the step before it recorded
         the draft's loss on the sequences it trained on (drawn a step at a time, they are not
-        regrouped by length: on seed 2's spool, drawing a block ahead and regrouping it lost
-        most of what the priorities gain; docs/design.md, "Following the drift")."""
+        regrouped by length: on seed 2's spool, drawing a block ahead and regrouping it, or
+        drawing each step's batch from one length bucket, lost most of what the priorities gain;
+        docs/design.md, "Prioritized replay")."""
         for _ in range(n):
             pick = self.replay.sample(n_seqs=self.cfg.train.batch_size, rng=self.rng, items=train,
                                       priority=self.cfg.priority)

@@ -50,6 +50,9 @@ if TYPE_CHECKING:
     from draftadapt.spool import RolloutShard
 
 
+MAX_PRIORITY = 8.0  # sample(priority=): beyond this the draws are all but deterministic
+
+
 @dataclass
 class ReplayItem:
     uid: int  # insertion order, unique in this buffer
@@ -311,6 +314,8 @@ class ReplayBuffer:
         ages = newest - np.fromiter((it.policy_version for it in items), dtype=np.int64, count=len(items))
         weights = float(self.recency_decay) ** ages.astype(np.float64)
         if priority:
+            if not 0 <= priority <= MAX_PRIORITY:
+                raise ValueError(f"priority is an exponent in [0, {MAX_PRIORITY}], got {priority}")
             weights = weights * self._priorities(items) ** priority
         keep = np.flatnonzero(weights > 0)
         if keep.size < len(items):
@@ -338,10 +343,11 @@ class ReplayBuffer:
         seen = ~np.isnan(pr)
         if not seen.any():
             return np.ones(len(items))
-        top = pr[seen].max()
-        # not trained on yet: as the hardest seen (new rollouts are drawn first); a floor keeps a
-        # learned sequence drawable
-        return np.maximum(np.where(seen, pr, top), max(top, 1e-12) * 1e-3)
+        top = max(pr[seen].max(), 1e-12)
+        # relative to the hardest seen, which a sequence not trained on yet counts as (new rollouts
+        # get the highest weight); the floor keeps a learned sequence drawable (1e-3 ** MAX_PRIORITY
+        # is still far above 0)
+        return np.maximum(np.where(seen, pr, top) / top, 1e-3)
 
     def prioritize(self, items: Sequence[ReplayItem], losses: Sequence[float] | torch.Tensor) -> None:
         """Record the draft's loss on each of ``items`` (one value each, in order) for ``sample``'s

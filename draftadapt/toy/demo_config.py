@@ -65,7 +65,9 @@ def toy_adapter() -> AdapterConfig:
     by 3% brings the next one at the next step (the policy is running away). A due round waits
     while the adapter's calls would pass 4.5% of the run's time (the issue's bar is 5% of the RL
     step; the rest is the hand-over inside the trainer's forward and the boundary's own work),
-    except that drift and chase rounds may run two rounds ahead of that budget.
+    except that drift and chase rounds may run two rounds ahead of that budget. Batches are drawn
+    with priority 1: weighted by the draft's own loss on each sequence, so the style the policy
+    turns to is learned before it dominates the buffer ("Prioritized replay").
     """
     return AdapterConfig(
         recency_decay=0.25,  # the newest rollouts weigh most: the policy moves fast here

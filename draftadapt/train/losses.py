@@ -69,9 +69,11 @@ def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def row_means(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Per sequence, the mean of ``x`` over its masked positions: [B, T], [B, T] -> [B] (0 where none)."""
+    """Per sequence, the mean of ``x`` over its masked positions: [B, T], [B, T] -> [B] (NaN where
+    none: no loss was measured on that sequence)."""
     m = mask.to(x.dtype)
-    return (x * m).sum(-1) / m.sum(-1).clamp_min(1.0)
+    n = m.sum(-1)
+    return torch.where(n > 0, (x * m).sum(-1) / n.clamp_min(1.0), torch.full_like(n, float("nan")))
 
 
 def ttt_targets(target_logp: torch.Tensor, loss_mask: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,8 +111,7 @@ def ttt_loss(
     if kind == "ce" and target_draft_ids is None:
         raise ValueError("the 'ce' loss needs target_draft_ids (the sampled tokens as draft ids)")
     total = step_logits[0].new_zeros((), dtype=torch.float32)
-    losses, accs = [], []
-    rows = step_logits[0].new_zeros(step_logits[0].shape[0], dtype=torch.float32)
+    losses, accs, rows = [], [], None
     for i, logits in enumerate(step_logits):
         tgt, mask = ttt_targets(target_logp, loss_mask, i)
         ids = shift_left(target_draft_ids, i + 1, -1) if kind == "ce" else None

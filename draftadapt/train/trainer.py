@@ -207,8 +207,9 @@ class DraftTrainer:
         self._slot_rng = torch.Generator().manual_seed(cfg.seed)  # TTT slot draws (cfg.ttt_slots)
         self.precision = cfg.precision if cfg.precision != "auto" else ("bf16" if self.device.type == "cuda" else "fp32")
         self.step = 0  # optimizer steps taken
-        # the last step's loss per sequence of its batch (this rank's rows, first TTT step): the
-        # adapter's replay priorities (AdapterConfig.priority)
+        # the last step's loss per sequence of its batch (the first TTT step's; a draft LM's one
+        # step): the adapter's replay priorities (AdapterConfig.priority; the adapter trains on
+        # one rank, each rank's batch is the whole pick)
         self.last_row_losses: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ properties
@@ -297,7 +298,7 @@ class DraftTrainer:
         self.model.train()
         with self._autocast():
             loss, parts, steps, rows = self._loss(batch)
-        self.last_row_losses = rows.float().cpu()
+        self.last_row_losses = rows.detach()  # no host sync here: read when the next batch is drawn
         self.accelerator.backward(loss)
         grad_norm = torch.zeros(())
         if self.cfg.grad_clip and not self.is_deepspeed:  # DeepSpeed clips from its own config

@@ -304,6 +304,21 @@ def test_catch_up_trains_more_only_while_it_pays(world, toy_target, max_train_st
     assert m["adapt/trained"] == 1.0 and m["adapt/train_steps"] == expected_steps, m
 
 
+def test_under_max_share_catch_up_stops_when_the_next_block_would_not_fit(world, toy_target):
+    """The same round as the catch-up case that goes to 6 steps, under a 20% cap with nearly all
+    the run's time so far the adapter's: the first block runs (a due round is not cut), the
+    next would pass the share, so the round publishes after 2 steps; the next round is expected
+    to cost what the round took up to its first block scored."""
+    cfg = small_cfg(batch_size=16)
+    cfg.schedule = ScheduleConfig(every_n_steps=1, drift_fraction=0.0, train_steps=2, min_sequences=8,
+                                  max_train_steps=6, catchup_gain=1e-6, max_share=0.2)
+    adapter = DraftAdapter(toy_target, world["draft0"], world["root"] / "catchup-capped", cfg)
+    adapter.observe(rollouts(world, seed=7), policy_version=0)  # generated before the clock starts
+    m = adapter.step()
+    assert m["adapt/trained"] == 1.0 and m["adapt/train_steps"] == 2, m
+    assert 0 < adapter.cost.round_s <= m["stage/adapt_s"], (adapter.cost.round_s, m)
+
+
 def _priorities_after_a_round(adapter, steps: int, batch: int):
     """The round's draws got the trainer's per-sequence losses; the held-out rollouts none."""
     held = {it.uid for it in adapter.replay.heldout()}

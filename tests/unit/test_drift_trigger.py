@@ -102,7 +102,17 @@ def test_the_cost_meter_defers_a_round_until_the_run_has_earned_it():
     assert 0.35 <= meter.spent < 0.45, meter.spent
     off = CostMeter(0.0)
     off.start, off.spent, off.round_s = time.perf_counter() - 1.0, 100.0, 100.0
-    assert off.allows_round()
+    assert off.allows_round() and off.allows(100.0, running_s=100.0)
+
+
+def test_a_catch_up_block_asks_for_its_own_time():
+    """Inside a round, another block fits only if what the round has spent so far (not in
+    ``spent`` until the call returns) plus the block stays within the share."""
+    meter = CostMeter(0.05)
+    meter.start, meter.spent = time.perf_counter() - 20.0, 0.2
+    assert meter.allows(0.4)  # 0.6 s <= 5% of 20.4 s
+    assert not meter.allows(0.4, running_s=0.5)  # 1.1 s > 1.02 s
+    assert meter.allows(0.4, advance_s=0.3, running_s=0.5)  # an urgent round's advance: 1.1 <= 1.32
 
 
 def test_time_the_run_says_is_not_its_own_is_off_the_clock():

@@ -88,6 +88,10 @@ def test_ttt_loss_shapes_weights_and_targets():
         assert rows[b].item() == pytest.approx(losses.forward_kl(steps[0][b], tgt0[b], m0[b]).item(), rel=1e-5)
     n = m0.sum(-1).float()
     assert ((rows * n).sum() / n.sum()).item() == pytest.approx(per_step[0].item(), rel=1e-5)
+    # a sequence with no response position measured has no loss (NaN: the buffer keeps its priority)
+    none = mask.clone()
+    none[0] = False
+    assert losses.ttt_loss(steps, target_logp, none, w)[3][0].isnan()
     total.backward()
     assert head.fc.weight.grad is not None and head.fc.weight.grad.abs().sum() > 0
     # step i is compared with the target at slot t + i + 1: a draft equal to that target has KL 0

@@ -136,6 +136,9 @@ def test_priority_weighs_draws_by_loss_and_unseen_sequences_as_the_hardest():
     assert {cls[it.uid] for it in buf.sample(n_seqs=40, rng=0, priority=1.0)} == set(w)
     with pytest.raises(ValueError, match="3 losses for 2 items"):
         buf.prioritize(new[:2], [1.0, 2.0, 3.0])
+    for bad in (-1.0, float("nan"), 100.0):
+        with pytest.raises(ValueError, match="priority is an exponent"):
+            buf.sample(n_seqs=1, rng=0, priority=bad)
 
 
 def test_sample_is_without_replacement_and_respects_n_tokens_and_rng():
