@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from replay_adapter import recorded_steps  # noqa: E402
+from replay_adapter import recorded_steps, spread  # noqa: E402
 
 from draftadapt.capture.policy import PolicyCopy  # noqa: E402
 from draftadapt.data.sequences import Sequence, collate  # noqa: E402
@@ -76,13 +76,22 @@ def main(argv: list[str] | None = None) -> int:
             f"policy and the next one (steps recorded: {[t for t, _, _ in recorded]}, policy versions: "
             f"{sorted(policies)}); record the spool with a policy checkpoint at every update")
     old, new = (PolicyCopy(PolicyCopy.load_model(args.target), args.target) for _ in range(2))
-    rows = []
-    for t, v, seqs in progress(iterable=steps, desc="policy shift", unit="step"):
-        seqs = seqs[:: max(1, len(seqs) // args.max_seqs)][: args.max_seqs]
+    loaded: dict[int, int] = {}  # id of a copy -> the spool version in it
+
+    def load(copy: PolicyCopy, version: int) -> None:
         # checked like any policy update (names, shapes, finite): a checkpoint that did not load
         # would read as no shift at all
-        old.update(reader.load_policy(policies[v]).state_dict(), v)
-        new.update(reader.load_policy(policies[v + 1]).state_dict(), v + 1)
+        if loaded.get(id(copy)) != version:
+            copy.update(reader.load_policy(policies[version]).state_dict(), version)
+            loaded[id(copy)] = version
+
+    rows = []
+    for t, v, seqs in progress(iterable=steps, desc="policy shift", unit="step"):
+        seqs = spread(seqs, args.max_seqs)
+        if loaded.get(id(new)) == v:  # consecutive steps: the last step's new policy is this one's old
+            old, new = new, old
+        load(old, v)
+        load(new, v + 1)
         row = {"step": t, "policy_version": v, "sequences": len(seqs), **shift(old.model, new.model, seqs, old.pad_id)}
         rows.append(row)
         print(json.dumps(row) if args.json else

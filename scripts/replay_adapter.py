@@ -49,9 +49,14 @@ def recorded_steps(reader: SpoolReader) -> list[tuple[int, int, list[Sequence]]]
     return [(step, v, seqs) for step, (v, seqs) in sorted(by_step.items())]
 
 
+def spread(seqs: list[Sequence], n: int) -> list[Sequence]:
+    """At most ``n`` of ``seqs``, spread evenly over them."""
+    return seqs[:: max(1, len(seqs) // n)][:n]
+
+
 def eval_batches(adapter: DraftAdapter, seqs: list[Sequence], n: int) -> list[CapturedBatch]:
     """``n`` sequences spread evenly over ``seqs``, captured against the adapter's current policy."""
-    picked = sorted(seqs[:: max(1, len(seqs) // n)][:n], key=len)
+    picked = sorted(spread(seqs, n), key=len)
     bs = adapter.cfg.train.batch_size
     return [adapter.capture.capture(collate(picked[i: i + bs], adapter.pad_id)) for i in range(0, len(picked), bs)]
 

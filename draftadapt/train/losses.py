@@ -60,6 +60,13 @@ def _point_loss(kind: str, logits: torch.Tensor, target_logp: torch.Tensor, ids:
     return _nll(logits, ids, mask)
 
 
+def _check_kind(kind: str, ids: torch.Tensor | None, what: str) -> None:
+    if kind not in ("kl", "ce"):
+        raise ValueError(f"unknown draft loss {kind!r}; use 'kl' or 'ce'")
+    if kind == "ce" and ids is None:
+        raise ValueError(f"the 'ce' loss needs {what}")
+
+
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     m = mask.to(x.dtype)
     # Sum over an empty mask is 0 with a zero gradient, not NaN: a batch whose sequences are all
@@ -106,10 +113,7 @@ def ttt_loss(
     Returns (loss scalar, per-step losses, per-step top-1 agreement with the target's argmax,
     per-sequence loss of the first step [B], detached: what the replay buffer's priorities read).
     """
-    if kind not in ("kl", "ce"):
-        raise ValueError(f"unknown draft loss {kind!r}; use 'kl' or 'ce'")
-    if kind == "ce" and target_draft_ids is None:
-        raise ValueError("the 'ce' loss needs target_draft_ids (the sampled tokens as draft ids)")
+    _check_kind(kind, target_draft_ids, "target_draft_ids (the sampled tokens as draft ids)")
     total = step_logits[0].new_zeros((), dtype=torch.float32)
     losses, accs, rows = [], [], None
     for i, logits in enumerate(step_logits):
@@ -139,10 +143,7 @@ def distill_loss(
     (``target_ids`` [B, T] = token t + 1). Returns (loss, top-1 agreement with the target,
     per-sequence loss [B], detached).
     """
-    if kind not in ("kl", "ce"):
-        raise ValueError(f"unknown draft loss {kind!r}; use 'kl' or 'ce'")
-    if kind == "ce" and target_ids is None:
-        raise ValueError("the 'ce' loss needs target_ids (the sampled next tokens)")
+    _check_kind(kind, target_ids, "target_ids (the sampled next tokens)")
     point, counted = _point_loss(kind, draft_logits, target_logp, target_ids, loss_mask)
     return (_masked_mean(point, counted), top1_agreement(draft_logits, target_logp, loss_mask),
             row_means(point.detach(), counted))
