@@ -138,6 +138,10 @@ class AdapterConfig:
     # batch pads to its own longest sequence instead of to the longest of a random mix. Not with
     # priority > 0 (its batches are drawn one step at a time).
     group_by_length: bool = True
+    # Pack each training batch's sequences end to end, several to a row, for an Eagle-3 head or
+    # MTP layers: the same loss over fewer padded positions (a prioritized batch mixes short and
+    # long sequences; docs/design.md, "Packed batches"). A draft LM trains on padded rows.
+    pack: bool = True
     # What the draft learns to match for rollouts handed over with their states: "sampling" = the
     # policy that sampled them (the hand-over's tensors as they are; no policy forward), "current"
     # = the adapter's current policy copy (recaptured, one forward per batch). Rollouts observed
@@ -596,7 +600,11 @@ class DraftAdapter:
         picks = [self.replay.sample(n_seqs=bs, rng=self.rng, items=train) for _ in range(n)]
         if self.cfg.group_by_length:
             picks = group_by_length(picks, self.rng)
-        return self.trainer.train_steps((self.targets.batch(p) for p in picks), n=n)
+        return self.trainer.train_steps((self._train_batch(p) for p in picks), n=n)
+
+    def _train_batch(self, items: list[ReplayItem]) -> CapturedBatch:
+        batch = self.targets.batch(items)
+        return batch.packed() if self.cfg.pack and self.method.packs else batch
 
     def _prioritized_batches(self, train: list[ReplayItem], n: int) -> Iterator[CapturedBatch]:
         """AdapterConfig.priority: ``n`` batches, each drawn after the step before it recorded
@@ -607,7 +615,7 @@ class DraftAdapter:
         for _ in range(n):
             pick = self.replay.sample(n_seqs=self.cfg.train.batch_size, rng=self.rng, items=train,
                                       priority=self.cfg.priority)
-            yield self.targets.batch(pick)
+            yield self._train_batch(pick)
             # resumed once the trainer has taken its step on that batch
             self.replay.prioritize(pick, self.trainer.last_row_losses)
 

@@ -35,6 +35,10 @@ class CapturedBatch:
     loss_mask: torch.Tensor  # [B, T] bool
     target_logp: torch.Tensor  # [B, T, Vd] float
     aux: torch.Tensor | None = None  # [B, T, num_aux * H] (Eagle-3 only)
+    # packed (:meth:`packed`): [B, T] long, which of the batch's sequences (in their order before
+    # packing) each position holds, -1 on padding; None: one sequence a row
+    segments: torch.Tensor | None = None
+    seqs: int = 0  # packed: how many sequences (segment ids 0..seqs-1)
 
     def to(self, device) -> "CapturedBatch":
         return CapturedBatch(**{f.name: (v.to(device) if isinstance(v, torch.Tensor) else v)
@@ -43,6 +47,57 @@ class CapturedBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.attention_mask.sum())
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seqs if self.segments is not None else self.input_ids.shape[0]
+
+    def packed(self) -> "CapturedBatch":
+        """The same sequences laid end to end, several to a row, so the rows carry little padding
+        (an Eagle-3 or MTP training step costs per padded position; a batch drawn for priority
+        mixes short and long sequences). Rows are filled first-fit, longest first, at the width
+        of the widest sequence or up to twice it, whichever pads least; ``segments`` says which
+        sequence each position holds. The losses mask attention and targets at the segment
+        boundaries, so a packed batch gives the same loss as the padded one (docs/design.md,
+        "Packed batches")."""
+        if self.segments is not None:
+            return self
+        lengths = self.attention_mask.sum(1).tolist()
+        order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+        widest = max(lengths)
+        best = None
+        for width in sorted({widest, int(widest * 1.25), int(widest * 1.5), 2 * widest}):
+            rows: list[list[int]] = []
+            room: list[int] = []
+            for i in order:
+                r = next((r for r, left in enumerate(room) if left >= lengths[i]), None)
+                if r is None:
+                    rows.append([i])
+                    room.append(width - lengths[i])
+                else:
+                    rows[r].append(i)
+                    room[r] -= lengths[i]
+            filled = max(width - left for left in room)  # the widest row as filled
+            if best is None or len(rows) * filled < best[0] * best[1]:
+                best = (len(rows), filled, rows)
+        n_rows, width, rows = best
+        if n_rows == len(lengths):
+            return self  # nothing pairs up: packing would only add masks
+        def new(t: torch.Tensor | None, fill=0):
+            return None if t is None else t.new_full((n_rows, width, *t.shape[2:]), fill)
+        out = {name: new(getattr(self, name)) for name in ("input_ids", "attention_mask", "loss_mask",
+                                                           "target_logp", "aux")}
+        segments = self.input_ids.new_full((n_rows, width), -1, dtype=torch.long)
+        for r, members in enumerate(rows):
+            at = 0
+            for i in sorted(members):
+                n = lengths[i]
+                for name, t in out.items():
+                    if t is not None:
+                        t[r, at: at + n] = getattr(self, name)[i, :n]
+                segments[r, at: at + n] = i
+                at += n
+        return CapturedBatch(**out, segments=segments, seqs=len(lengths))
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:

@@ -164,6 +164,9 @@ class Targets:
         return captured
 
     def batches(self, items: list[ReplayItem], size: int) -> list[CapturedBatch]:
+        """Scoring batches of ``items``, shortest to longest (a score sums over every sequence, so
+        the order is free, and batches of like lengths pad least)."""
+        items = sorted(items, key=lambda it: it.num_tokens)
         return [self.batch(items[i: i + size]) for i in range(0, len(items), size)]
 
 

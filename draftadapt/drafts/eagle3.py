@@ -259,21 +259,22 @@ class Eagle3Head(nn.Module):
         """The dtype the aux hidden states are cast to on the way in."""
         return self.fc.weight.dtype
 
-    def embed_inputs(self, ids: torch.Tensor, step: int) -> torch.Tensor:
-        """[B, T] token ids fed at draft step ``step`` -> [B, T, H]."""
+    def embed_inputs(self, ids: torch.Tensor, step: int, starts: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, T] token ids fed at draft step ``step`` -> [B, T, H] (``starts``: where the
+        sequences of a packed row begin; an Eagle-3 head embeds every position alike)."""
         return self.embed_tokens(ids)
 
     def unroll(
         self, input_ids: torch.Tensor, aux: torch.Tensor, steps: int, feed_ids=None,
-        slots: torch.Tensor | None = None,
+        slots: torch.Tensor | None = None, segments: torch.Tensor | None = None,
     ) -> list[torch.Tensor]:
         """Training-time test; see :func:`ttt_unroll`."""
-        return ttt_unroll(self, input_ids, aux, steps, feed_ids, slots)
+        return ttt_unroll(self, input_ids, aux, steps, feed_ids, slots, segments)
 
 
 def ttt_unroll(
     head, input_ids: torch.Tensor, aux: torch.Tensor, steps: int, feed_ids=None,
-    slots: torch.Tensor | None = None,
+    slots: torch.Tensor | None = None, segments: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
     """Training-time test (EAGLE-3 section 3.2): run ``steps`` speculative steps of ``head`` in parallel.
 
@@ -292,6 +293,9 @@ def ttt_unroll(
     a query at a slot sees the same keys as above, so the result there is the full unroll's,
     at M/T of the cost of each step >= 1 (docs/design.md, "Adapter cost"). Returns per step
     the draft-vocab logits: [B, T, Vd] for step 0, [B, M or T, Vd] for the others.
+    ``segments``: [B, T] sequence ids of a packed batch (``CapturedBatch.packed``): a query sees
+    only keys of its own sequence. RoPE scores depend on the distance between positions only, so
+    a sequence placed further along a row attends as it would at the start of its own.
     """
     b, t = input_ids.shape
     dev = input_ids.device
@@ -301,14 +305,20 @@ def ttt_unroll(
     keys, values, out = [], [], []
     positions = torch.arange(t, device=dev).expand(b, t)
     causal = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
+    starts = None
+    if segments is not None:
+        causal = (causal & (segments[:, :, None] == segments[:, None, :]))[:, None]  # [B, 1, T, T]
+        starts = segments != torch.cat([segments.new_full((b, 1), -2), segments[:, :-1]], dim=1)
     if slots is None:
         base = positions
-        diag = torch.eye(t, dtype=torch.bool, device=dev)
-        masks = [torch.cat([causal] + [diag] * j, dim=1) for j in range(steps)]  # [T, (j+1)T]
+        diag = torch.eye(t, dtype=torch.bool, device=dev).expand(causal.shape)
+        masks = [torch.cat([causal] + [diag] * j, dim=-1) for j in range(steps)]  # [(B, 1,) T, (j+1)T]
     else:
         m = slots.shape[1]
         base = slots
         seen = (torch.arange(t, device=dev) <= slots[..., None])[:, None]  # [B, 1, M, T]
+        if segments is not None:
+            seen = seen & (segments.gather(1, slots)[..., None] == segments[:, None, :])[:, None]
         diag = torch.eye(m, dtype=torch.bool, device=dev).expand(b, 1, m, m)
         masks = [causal] + [torch.cat([seen] + [diag] * j, dim=-1) for j in range(1, steps)]
 
@@ -316,7 +326,7 @@ def ttt_unroll(
         return x.gather(1, slots if x.dim() == 2 else slots[..., None].expand(-1, -1, x.shape[-1]))
 
     for j in range(steps):
-        a_in, residual = layer.attn_input(head.embed_inputs(ids, j), hidden)
+        a_in, residual = layer.attn_input(head.embed_inputs(ids, j, starts), hidden)
         q, k, v = layer.self_attn.qkv(a_in, positions if j == 0 else base + j)
         keys.append(k)
         values.append(v)

@@ -161,11 +161,15 @@ class MTPHead(nn.Module):
     def feature_dtype(self) -> torch.dtype:
         return self.layers[0].input_proj.weight.dtype
 
-    def embed_inputs(self, ids: torch.Tensor, step: int) -> torch.Tensor:
-        """[B, T] -> [B, T, H]; at step 0 index t is position t, and vLLM zeroes position 0's embedding."""
+    def embed_inputs(self, ids: torch.Tensor, step: int, starts: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, T] -> [B, T, H]; at step 0 index t is position t, and vLLM zeroes position 0's embedding
+        (``starts`` [B, T] bool: where each sequence of a packed row begins, for its position 0)."""
         e = self.embed_tokens(ids)
         if step == 0:
-            e = torch.cat([torch.zeros_like(e[:, :1]), e[:, 1:]], dim=1)
+            if starts is None:
+                e = torch.cat([torch.zeros_like(e[:, :1]), e[:, 1:]], dim=1)
+            else:
+                e = e.masked_fill(starts[..., None], 0.0)
         return e
 
     def combine(self, aux: torch.Tensor) -> torch.Tensor:
@@ -178,9 +182,9 @@ class MTPHead(nn.Module):
         return x  # the next MTP step reads this step's output as it is
 
     def unroll(self, input_ids: torch.Tensor, aux: torch.Tensor, steps: int, feed_ids=None,
-               slots: torch.Tensor | None = None) -> list[torch.Tensor]:
+               slots: torch.Tensor | None = None, segments: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Layer 0 run ``steps`` draft steps deep, as vLLM chains it (see ``eagle3.ttt_unroll``)."""
-        return ttt_unroll(self, input_ids, aux, steps, feed_ids, slots)
+        return ttt_unroll(self, input_ids, aux, steps, feed_ids, slots, segments)
 
     # ------------------------------------------------------------------ checkpoint names
 

@@ -83,6 +83,23 @@ def row_means(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(n > 0, (x * m).sum(-1) / n.clamp_min(1.0), torch.full_like(n, float("nan")))
 
 
+@torch.no_grad()
+def segment_means(x: torch.Tensor, mask: torch.Tensor, segments: torch.Tensor, n: int) -> torch.Tensor:
+    """:func:`row_means` of a packed batch: per sequence ``segments`` names (0..n-1), the mean of
+    ``x`` over its masked positions: [B, T] x 3 -> [n] (NaN where none)."""
+    keep = mask & (segments >= 0)
+    idx = segments[keep]
+    total = x.new_zeros(n, dtype=torch.float32).index_add_(0, idx, x[keep].float())
+    count = x.new_zeros(n, dtype=torch.float32).index_add_(0, idx, torch.ones_like(idx, dtype=torch.float32))
+    return torch.where(count > 0, total / count.clamp_min(1.0), torch.full_like(count, float("nan")))
+
+
+def same_segment(segments: torch.Tensor, n: int) -> torch.Tensor:
+    """[B, T] segment ids -> [B, T] bool: position t + n holds the same sequence as t (False past
+    the row's end). A packed row's targets must not cross into the next sequence."""
+    return shift_left(segments, n, -1) == segments
+
+
 def ttt_targets(target_logp: torch.Tensor, loss_mask: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Target log-probs and mask for TTT step ``step`` at every slot.
 
@@ -100,6 +117,8 @@ def ttt_loss(
     target_draft_ids: torch.Tensor | None = None,
     slots: torch.Tensor | None = None,
     slot_ok: torch.Tensor | None = None,
+    segments: torch.Tensor | None = None,
+    seqs: int = 0,
 ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
     """Eagle-3 training-time-test loss: a weighted sum over unrolled steps.
 
@@ -110,14 +129,19 @@ def ttt_loss(
     draft id of token t + 1, -1 outside the draft vocab).
     ``slots`` [B, M] / ``slot_ok`` [B, M] bool: steps >= 1 ran at these positions only (their
     logits are [B, M, Vd]; ``slot_ok`` False marks filler slots), as ``Eagle3Head.unroll(slots=)``.
+    ``segments`` [B, T] / ``seqs``: a packed batch (``CapturedBatch.packed``): a slot counts at a
+    step only if its target lies in its own sequence, and the per-sequence losses are per segment.
     Returns (loss scalar, per-step losses, per-step top-1 agreement with the target's argmax,
-    per-sequence loss of the first step [B], detached: what the replay buffer's priorities read).
+    per-sequence loss of the first step [B or seqs], detached: what the replay buffer's priorities
+    read).
     """
     _check_kind(kind, target_draft_ids, "target_draft_ids (the sampled tokens as draft ids)")
     total = step_logits[0].new_zeros((), dtype=torch.float32)
     losses, accs, rows = [], [], None
     for i, logits in enumerate(step_logits):
         tgt, mask = ttt_targets(target_logp, loss_mask, i)
+        if segments is not None:
+            mask = mask & same_segment(segments, i + 1)
         ids = shift_left(target_draft_ids, i + 1, -1) if kind == "ce" else None
         if slots is not None and i > 0:
             tgt = tgt.gather(1, slots[..., None].expand(-1, -1, tgt.shape[-1]))
@@ -126,7 +150,8 @@ def ttt_loss(
         point, counted = _point_loss(kind, logits, tgt, ids, mask)
         loss = _masked_mean(point, counted)
         if i == 0:
-            rows = row_means(point.detach(), counted)
+            rows = (row_means(point.detach(), counted) if segments is None
+                    else segment_means(point.detach(), counted, segments, seqs))
         total = total + step_weights[i] * loss
         losses.append(loss.detach())
         accs.append(top1_agreement(logits, tgt, mask))

@@ -37,6 +37,7 @@ class Eagle3Method(Eagle3Spec):
     """An Eagle-3 head on the target's aux hidden states (vLLM ``method="eagle3"``)."""
 
     wrapper_prefix = "head."  # the draft's parameter names inside its training wrapper
+    packs = True  # trains on packed batches (CapturedBatch.packed)
 
     # ------------------------------------------------------------------ making and keeping drafts
 
@@ -113,14 +114,14 @@ class Eagle3Method(Eagle3Spec):
         """(loss, per-step losses, per-step accuracies, step logits for the simulated acceptance or
         [] when TTT steps >= 1 ran at ``draw_slots(loss_mask)`` only, per-sequence loss [B])."""
         slots, slot_ok = draw_slots(batch.loss_mask)
-        if slots is None:
+        if slots is None and batch.segments is None:
             steps = self.step_logits(model, batch, cfg.ttt_steps)
         else:
-            steps = model(batch.input_ids, batch.aux, cfg.ttt_steps, slots)
+            steps = model(batch.input_ids, batch.aux, cfg.ttt_steps, slots, batch.segments)
         loss, per_step, accs, rows = losses.ttt_loss(steps, batch.target_logp, batch.loss_mask, weights, cfg.loss,
-                                                     labels, slots, slot_ok)
-        if slots is not None:
-            steps = []  # not every position: no simulated acceptance on this batch
+                                                     labels, slots, slot_ok, batch.segments, batch.seqs)
+        if slots is not None or batch.segments is not None:
+            steps = []  # not every position, or packed rows: no simulated acceptance on this batch
         return loss, per_step, accs, steps, rows
 
 
@@ -128,6 +129,7 @@ class DraftLMMethod(DraftLMSpec):
     """A small draft LM sharing the target's tokenizer (vLLM ``method="draft_model"``)."""
 
     wrapper_prefix = "model."
+    packs = False  # an HF model's rows are one sequence each
 
     def init(self, target: str | Path, seed: int = 0, source: str | Path | None = None,
              draft_vocab: int | None = None) -> nn.Module:
@@ -178,6 +180,8 @@ class DraftLMMethod(DraftLMSpec):
         return lm_step_logits(model(batch.input_ids, batch.attention_mask), k)
 
     def loss(self, model: nn.Module, batch, cfg, weights: list[float], labels: torch.Tensor | None, draw_slots):
+        if batch.segments is not None:
+            raise ValueError("a draft LM trains on one sequence a row; pass the batch unpacked")
         logits = model(batch.input_ids, batch.attention_mask)
         loss, acc, rows = losses.distill_loss(logits, batch.target_logp, batch.loss_mask, cfg.loss, labels)
         return loss, [loss.detach()], [acc], lm_step_logits(logits.detach(), cfg.ttt_steps), rows
@@ -236,6 +240,7 @@ class MTPMethod(MTPSpec):
     # the same unrolled forward and TTT loss as an Eagle-3 head
     step_logits = Eagle3Method.step_logits
     loss = Eagle3Method.loss
+    packs = Eagle3Method.packs
 
 
 EAGLE3 = Eagle3Method()
