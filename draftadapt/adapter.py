@@ -285,6 +285,7 @@ class CostMeter:
         # their own time): what the next round is expected to take at least
         self.round_s: float | None = None
         self.excluded_s = 0.0  # wall time the run says is not its own (not_counted)
+        self.credited_s = 0.0  # the run's time this process did not see (credit)
         self._depth = 0
 
     @contextlib.contextmanager
@@ -312,8 +313,13 @@ class CostMeter:
             if self.start is not None:
                 self.excluded_s += time.perf_counter() - max(t0, self.start)
 
+    def credit(self, seconds: float) -> None:
+        """Count ``seconds`` of the run's time that passed outside this process's clock (a replay
+        emulating the RL step it has not got: scripts/replay_adapter.py --rl-step-s)."""
+        self.credited_s += seconds
+
     def elapsed(self) -> float:
-        return time.perf_counter() - self.start - self.excluded_s
+        return time.perf_counter() - self.start - self.excluded_s + self.credited_s
 
     def share(self) -> float | None:
         if self.start is None:

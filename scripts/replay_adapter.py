@@ -14,11 +14,20 @@ which the new policy sampled and no config has trained on yet. The starting draf
 the same sets ("frozen"). In a live run the trajectory itself depends on the draft (rejection
 sampling draws differently), so comparing configs live mixes their effect with a different
 trajectory; here only the config differs.
+
+A replay has no RL step whose time the adapter shares, so ``--base toy`` turns the toy
+adapter's cost cap off, unless ``--rl-step-s S`` emulates it: each step then counts S seconds
+of generation and policy update (a demo's mean ``stage/gen_s + stage/train_s``) besides the
+adapter's own measured calls, the replay's own forwards and scores count nowhere, and the live
+draft's simulated acceptance on each step's rollouts reaches the drift trigger as the engine's
+measurement would. The rounds then wait, run and catch up as the live loop's would; the JSON
+adds ``adapt_share`` and ``deferred`` (docs/design.md, "Replaying under the cap").
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shlex
 import sys
@@ -75,9 +84,10 @@ def handed_over(adapter: DraftAdapter, seqs: list[Sequence], micro_batch: int = 
     return ho
 
 
-def adapter_config(base: str, overrides: list[str]) -> AdapterConfig:
+def adapter_config(base: str, overrides: list[str], keep_cap: bool = False) -> AdapterConfig:
     """``overrides`` on the library's defaults (``base="library"``) or on the adapter the toy
-    world's RL runs attach (``"toy"``: the demo's and the TRL recipe's, ``toy_adapter()``)."""
+    world's RL runs attach (``"toy"``: the demo's and the TRL recipe's, ``toy_adapter()``).
+    ``keep_cap``: leave the toy adapter's cost cap on (a replay that emulates the RL step's time)."""
     if base == "library":
         return load_config(AdapterConfig, None, overrides)
     from draftadapt.config import save_config
@@ -86,12 +96,19 @@ def adapter_config(base: str, overrides: list[str]) -> AdapterConfig:
     with tempfile.TemporaryDirectory(prefix="replay_cfg_") as tmp:
         save_config(toy_adapter(), Path(tmp) / "adapter.yaml")
         # the cost cap shares the RL step's time, which a replay does not have: off unless set
-        return load_config(AdapterConfig, Path(tmp) / "adapter.yaml", ["schedule.max_share=0"] + overrides)
+        # (or emulated)
+        cap_off = [] if keep_cap else ["schedule.max_share=0"]
+        return load_config(AdapterConfig, Path(tmp) / "adapter.yaml", cap_off + overrides)
 
 
 def replay(spool: Path, target: Path, draft: Path, overrides: list[str], eval_seqs: int = 96,
-           base: str = "library") -> dict:
-    cfg = adapter_config(base, overrides)
+           base: str = "library", rl_step_s: float = 0.0) -> dict:
+    """``rl_step_s`` > 0 emulates the live loop's cost cap: each recorded step counts that many
+    seconds of the RL step's own work (generation and policy update) on the adapter's clock, the
+    replay's own forwards and scores count nowhere, and the live draft's simulated acceptance on
+    each step's rollouts (the draft that generated them) reaches the drift trigger as the
+    engine's measurement would."""
+    cfg = adapter_config(base, overrides, keep_cap=rl_step_s > 0)
     reader = SpoolReader(spool)
     steps = recorded_steps(reader)
     if len(steps) < 2:
@@ -101,43 +118,63 @@ def replay(spool: Path, target: Path, draft: Path, overrides: list[str], eval_se
         adapter = DraftAdapter(target, draft, out, cfg, policy_version=steps[0][1])
         frozen = adapter.live_draft()
         rows, adapt_s = [], 0.0
+        emulate = rl_step_s > 0
+
+        def not_counted():  # the replay's own work: on the emulated clock, neither the run's nor the adapter's
+            return adapter.not_counted() if emulate else contextlib.nullcontext()
         for i, (step, version, seqs) in enumerate(progress(iterable=steps[:-1], desc="replay", unit="step")):
             if adapter.policy_version != version:
                 raise ValueError(f"{spool}: step {step}'s rollouts are of policy version {version}, the replay "
                                  f"holds version {adapter.policy_version}; replaying needs the run's checkpoints in order")
-            ho = handed_over(adapter, seqs) if cfg.targets == "sampling" else None
+            if emulate:
+                with not_counted():
+                    measured = rows[-1]["adapted"] if rows else score_draft(
+                        frozen, eval_batches(adapter, seqs, eval_seqs), adapter.cfg.k)[0].length
+                adapter.report_measured(measured)
+            with not_counted():
+                ho = handed_over(adapter, seqs) if cfg.targets == "sampling" else None
             adapter.observe([(s.prompt_ids, s.response_ids) for s in seqs], policy_version=version, handover=ho)
             adapt_s += ho.seconds if ho is not None else 0.0
             nxt_version = steps[i + 1][1]
             if nxt_version > adapter.policy_version:
-                ckpt = reader.policy(nxt_version)
+                with not_counted():
+                    ckpt = reader.policy(nxt_version)
                 if ckpt is None:
                     raise ValueError(f"{spool} has rollouts of policy version {nxt_version} but no checkpoint of it")
                 adapter.update_policy(ckpt.state_dict(), version=nxt_version)
             t0 = time.perf_counter()
             m = adapter.step()
             adapt_s += time.perf_counter() - t0
-            held = eval_batches(adapter, steps[i + 1][2], eval_seqs)
-            adapter.refresh_shared_embeddings(frozen)
-            rows.append({
-                "step": step, "policy_version": adapter.policy_version,
-                "adapted": score_draft(adapter.live_draft(), held, adapter.cfg.k)[0].length,
-                "frozen": score_draft(frozen, held, adapter.cfg.k)[0].length,
-                "published": int(m.get("adapt/published", 0.0)),
-                "simulated_length": m.get("accept/simulated_length"),  # the round's candidate, on its held-out set
-                "simulated_live": m.get("accept/simulated_live"),  # the live draft on the same set
-                "train_steps": int(m.get("adapt/train_steps", 0.0)),
-            })
-    return {"overrides": overrides, "steps": rows, "adapt_seconds": adapt_s}
+            if emulate:
+                adapter.cost.credit(rl_step_s)
+            with not_counted():
+                held = eval_batches(adapter, steps[i + 1][2], eval_seqs)
+                adapter.refresh_shared_embeddings(frozen)
+                rows.append({
+                    "step": step, "policy_version": adapter.policy_version,
+                    "adapted": score_draft(adapter.live_draft(), held, adapter.cfg.k)[0].length,
+                    "frozen": score_draft(frozen, held, adapter.cfg.k)[0].length,
+                    "published": int(m.get("adapt/published", 0.0)),
+                    "simulated_length": m.get("accept/simulated_length"),  # the round's candidate, on its held-out set
+                    "simulated_live": m.get("accept/simulated_live"),  # the live draft on the same set
+                    "train_steps": int(m.get("adapt/train_steps", 0.0)),
+                    "deferred": int(m.get("adapt/deferred", 0.0)),  # a due round waited (the emulated cap)
+                })
+        share = adapter.cost.share() if emulate else None
+    return {"overrides": overrides, "steps": rows, "adapt_seconds": adapt_s, "share": share}
 
 
 def summarize(res: dict, last: int) -> dict:
     tail = res["steps"][-last:]
-    return {"try": " ".join(res["overrides"]) or "(defaults)",
-            "adapted_last": sum(r["adapted"] for r in tail) / len(tail),
-            "frozen_last": sum(r["frozen"] for r in tail) / len(tail),
-            "published": sum(r["published"] for r in res["steps"]),
-            "adapt_seconds": res["adapt_seconds"]}
+    out = {"try": " ".join(res["overrides"]) or "(defaults)",
+           "adapted_last": sum(r["adapted"] for r in tail) / len(tail),
+           "frozen_last": sum(r["frozen"] for r in tail) / len(tail),
+           "published": sum(r["published"] for r in res["steps"]),
+           "adapt_seconds": res["adapt_seconds"]}
+    if res.get("share") is not None:  # --rl-step-s: the emulated cap's share and its waits
+        out["adapt_share"] = res["share"]
+        out["deferred"] = sum(r["deferred"] for r in res["steps"])
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,19 +190,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--last", type=int, default=4, help="summarise the mean over the last N scored steps")
     ap.add_argument("--eval-seqs", type=int, default=96, help="sequences of the next step each step is scored on")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rl-step-s", type=float, default=0.0,
+                    help="emulate the live run's cost cap (--base toy keeps its schedule.max_share): each step "
+                         "counts this many seconds of generation and policy update (a demo's mean of "
+                         "stage/gen_s + stage/train_s), and the live draft's simulated acceptance on each "
+                         "step's rollouts stands in for the engine's measurement; 0 = cap off")
     ap.add_argument("--json", action="store_true", help="print one JSON object per config instead of a table")
     args = ap.parse_args(argv)
     for p, what in ((args.spool, "--spool"), (args.target, "--target"), (args.draft, "--draft")):
         if not p.is_dir():
             print(f"error: {what} {p} is not a directory", file=sys.stderr)
             return 2
-    if args.last < 1 or args.eval_seqs < 1:
-        print("error: --last and --eval-seqs must be >= 1", file=sys.stderr)
+    if args.last < 1 or args.eval_seqs < 1 or args.rl_step_s < 0:
+        print("error: --last and --eval-seqs must be >= 1, --rl-step-s >= 0", file=sys.stderr)
         return 2
     tries = [shlex.split(t) for t in (args.tries or [""])]
     try:
         for t in tries:  # every config is checked before the first one runs for minutes
-            adapter_config(args.base, t)
+            adapter_config(args.base, t, keep_cap=args.rl_step_s > 0)
     except ConfigError as exc:
         print(f"error: --try: {exc}", file=sys.stderr)
         return 2
@@ -173,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for t in tries:
         try:
-            res = replay(args.spool, args.target, args.draft, t, args.eval_seqs, args.base)
+            res = replay(args.spool, args.target, args.draft, t, args.eval_seqs, args.base, args.rl_step_s)
         except (ValueError, ConfigError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2

@@ -124,6 +124,15 @@ def test_demo_smoke(toy_target, tmp_path):
         # the demo logs the adapter's metrics at the policy version it trained against
         assert abs(r["simulated_length"] - live[r["policy_version"]]) <= 1e-3, (r, live)
     assert [r["frozen"] for r in other["per_step"]] == [r["frozen"] for r in mine["per_step"]]
+    # The live loop's cost cap, emulated: each step counts a millisecond of RL work, so after the
+    # first round (nothing to expect yet) the next one waits, and the adapter's share is most of
+    # the emulated run's time.
+    emu = subprocess.run(cmd[:8] + ["--try", same + " schedule.max_share=0.05", "--json", "--eval-seqs", "16",
+                                    "--rl-step-s", "0.001"], capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert emu.returncode == 0, emu.stdout[-3000:] + emu.stderr[-3000:]
+    capped = next(json.loads(line) for line in emu.stdout.splitlines() if line.startswith("{"))
+    assert [(r["train_steps"] > 0, r["deferred"]) for r in capped["per_step"]] == [(True, 0), (False, 1)], capped
+    assert capped["deferred"] == 1 and capped["adapt_share"] > 0.5, capped
     bad = subprocess.run(cmd[:8] + ["--try", "schedule.no_such_key=1"], capture_output=True, text=True, cwd=REPO)
     assert bad.returncode == 2 and "no_such_key" in bad.stderr, bad.stderr
 

@@ -127,3 +127,17 @@ def test_time_the_run_says_is_not_its_own_is_off_the_clock():
             time.sleep(0.05)
     assert meter.spent == before and meter.excluded_s >= 0.05
     assert meter.elapsed() < 0.05
+
+
+def test_credited_time_counts_as_the_runs():
+    """CostMeter.credit: run time outside this process's clock (a replay emulating the RL step)
+    earns the adapter its share as if it had passed here."""
+    meter = CostMeter(0.05)
+    with meter.timed():
+        time.sleep(0.02)
+    meter.round_s = 0.5
+    assert not meter.allows_round()  # 0.52 s > 5% of ~0.52 s
+    meter.credit(10.0)
+    assert 10.0 <= meter.elapsed() < 10.5
+    assert meter.allows_round()  # 0.52 s <= 5% of ~10.5 s
+    assert 0.001 < meter.share() < 0.003
