@@ -8,27 +8,18 @@ import torch
 
 from draftadapt.capture.hidden import CapturedBatch
 from draftadapt.data.sequences import Sequence, collate
-from draftadapt.drafts.eagle3 import Eagle3Config, Eagle3Head
 from draftadapt.drafts.mtp import MTPConfig, MTPHead
 from draftadapt.train import losses
 from draftadapt.train.forward import Eagle3TTT
 
-V, H = 16, 32
+from .test_losses import H, V, tiny_head as eagle3
+
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/unit/conftest.py
 
 # (prompt, response) lengths: one long sequence and short ones that fit beside it, and a
 # one-token prompt, whose first response slot is where a row's next sequence would leak in
 SHAPES = [(4, 20), (3, 5), (1, 6), (5, 9), (2, 3), (6, 14)]
-
-
-def eagle3(seed: int = 0) -> Eagle3Head:
-    cfg = Eagle3Config(hidden_size=H, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                       target_hidden_size=H, target_vocab_size=V, draft_vocab_size=V, aux_layer_ids=[1, 2, 3],
-                       max_position_embeddings=128)
-    head = Eagle3Head(cfg)
-    head.init_weights(seed, std=0.2)
-    return head
 
 
 def mtp(seed: int = 0) -> MTPHead:
