@@ -48,10 +48,6 @@ class CapturedBatch:
     def num_tokens(self) -> int:
         return int(self.attention_mask.sum())
 
-    @property
-    def num_seqs(self) -> int:
-        return self.seqs if self.segments is not None else self.input_ids.shape[0]
-
     def packed(self) -> "CapturedBatch":
         """The same sequences laid end to end, several to a row, so the rows carry little padding
         (an Eagle-3 or MTP training step costs per padded position; a batch drawn for priority
@@ -83,10 +79,9 @@ class CapturedBatch:
         n_rows, width, rows = best
         if n_rows == len(lengths):
             return self  # nothing pairs up: packing would only add masks
-        def new(t: torch.Tensor | None, fill=0):
-            return None if t is None else t.new_full((n_rows, width, *t.shape[2:]), fill)
-        out = {name: new(getattr(self, name)) for name in ("input_ids", "attention_mask", "loss_mask",
-                                                           "target_logp", "aux")}
+        out = {name: None if t is None else t.new_zeros((n_rows, width, *t.shape[2:]))
+               for name in ("input_ids", "attention_mask", "loss_mask", "target_logp", "aux")
+               for t in [getattr(self, name)]}
         segments = self.input_ids.new_full((n_rows, width), -1, dtype=torch.long)
         for r, members in enumerate(rows):
             at = 0

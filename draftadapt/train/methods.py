@@ -114,10 +114,7 @@ class Eagle3Method(Eagle3Spec):
         """(loss, per-step losses, per-step accuracies, step logits for the simulated acceptance or
         [] when TTT steps >= 1 ran at ``draw_slots(loss_mask)`` only, per-sequence loss [B])."""
         slots, slot_ok = draw_slots(batch.loss_mask)
-        if slots is None and batch.segments is None:
-            steps = self.step_logits(model, batch, cfg.ttt_steps)
-        else:
-            steps = model(batch.input_ids, batch.aux, cfg.ttt_steps, slots, batch.segments)
+        steps = model(batch.input_ids, batch.aux, cfg.ttt_steps, slots, batch.segments)
         loss, per_step, accs, rows = losses.ttt_loss(steps, batch.target_logp, batch.loss_mask, weights, cfg.loss,
                                                      labels, slots, slot_ok, batch.segments, batch.seqs)
         if slots is not None or batch.segments is not None:
