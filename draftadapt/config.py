@@ -108,9 +108,13 @@ def _build(cls: type[T], data: dict[str, Any], where: str) -> T:
         raise ConfigError(
             f"{where or cls.__name__}: unknown key(s) {unknown} for {cls.__name__}; known keys: {sorted(types_)}"
         )
-    kwargs = {}
+    # a class may give a section a default that depends on its other keys (the demo's adapter
+    # on its method): ``section_defaults(data) -> {field: default instance}``
+    given = getattr(cls, "section_defaults", None)
+    section_defaults = given(data) if callable(given) else {}
+    kwargs = {k: v for k, v in section_defaults.items() if k not in data}
     for k, v in data.items():
-        base = _field_default(cls, k)
+        base = section_defaults[k] if k in section_defaults else _field_default(cls, k)
         if isinstance(v, dict) and dataclasses.is_dataclass(base):
             # a section given in part keeps the parent's own default for it (a recipe's default
             # factory), not the section class's bare defaults, for every key it does not name

@@ -86,15 +86,17 @@ def handed_over(adapter: DraftAdapter, seqs: list[Sequence], micro_batch: int = 
 
 def adapter_config(base: str, overrides: list[str], keep_cap: bool = False) -> AdapterConfig:
     """``overrides`` on the library's defaults (``base="library"``) or on the adapter the toy
-    world's RL runs attach (``"toy"``: the demo's and the TRL recipe's, ``toy_adapter()``).
-    ``keep_cap``: leave the toy adapter's cost cap on (a replay that emulates the RL step's time)."""
+    world's RL runs attach (``"toy"``: the demo's and the TRL recipe's, ``toy_adapter(method)``,
+    the method the overrides name). ``keep_cap``: leave the toy adapter's cost cap on (a replay
+    that emulates the RL step's time)."""
     if base == "library":
         return load_config(AdapterConfig, None, overrides)
-    from draftadapt.config import save_config
+    from draftadapt.config import parse_overrides, save_config
     from draftadapt.toy.demo_config import toy_adapter
 
+    method = dict(parse_overrides(overrides)).get("method", "eagle3")
     with tempfile.TemporaryDirectory(prefix="replay_cfg_") as tmp:
-        save_config(toy_adapter(), Path(tmp) / "adapter.yaml")
+        save_config(toy_adapter(method), Path(tmp) / "adapter.yaml")
         # the cost cap shares the RL step's time, which a replay does not have: off unless set
         # (or emulated)
         cap_off = [] if keep_cap else ["schedule.max_share=0"]

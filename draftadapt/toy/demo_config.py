@@ -51,8 +51,9 @@ class EvalConfig:
     max_tokens: int = 96
     seed: int = 1234
 
-def toy_adapter() -> AdapterConfig:
-    """The adapter the toy world's RL runs attach (this demo and recipes/trl_grpo_toy.py).
+def toy_adapter(method: str = "eagle3") -> AdapterConfig:
+    """The adapter the toy world's RL runs attach (this demo and recipes/trl_grpo_toy.py), for a
+    draft of ``method``.
 
     A round every other RL step: 8 optimizer steps of 16 sequences, the TTT steps >= 1 at a
     quarter of the positions, 32 held-out rollouts to decide the publish (docs/design.md,
@@ -68,14 +69,22 @@ def toy_adapter() -> AdapterConfig:
     except that drift and chase rounds may run two rounds ahead of that budget. Batches are drawn
     with priority 1: weighted by the draft's own loss on each sequence, so the style the policy
     turns to is learned before it dominates the buffer ("Prioritized replay").
+
+    MTP layers (``method="mtp"``): a round stops after its first block, drift and chase rounds
+    may run three rounds ahead of the budget, and a candidate is published unless it scores 3%
+    below the live draft. An MTP block costs about twice an Eagle-3 head's (a whole layer of the
+    target, k=5 deep), so a catch-up block in a calm step spent the budget the drift's first steps
+    then lacked, and the rounds waited while the policy moved (docs/design.md, "MTP under the
+    cap", where the replays behind it are).
     """
+    mtp = method == "mtp"
     return AdapterConfig(
         recency_decay=0.25,  # the newest rollouts weigh most: the policy moves fast here
         priority=1.0,  # and what the draft is worst at: the style the policy turns to
-        schedule=ScheduleConfig(every_n_steps=2, drift_fraction=0.03, train_steps=8, max_train_steps=16,
-                                catchup_gain=0.01, chase_gain=0.03, max_share=0.045,
-                                burst_rounds=2),
-        validation=ValidateConfig(max_heldout=32),
+        schedule=ScheduleConfig(every_n_steps=2, drift_fraction=0.03, train_steps=8,
+                                max_train_steps=8 if mtp else 16, catchup_gain=0.01, chase_gain=0.03,
+                                max_share=0.045, burst_rounds=3 if mtp else 2),
+        validation=ValidateConfig(max_heldout=32, margin=0.03 if mtp else ValidateConfig.margin),
         train=replace(AdapterConfig().train, lr=2e-3, warmup_steps=16, batch_size=16, ttt_slots=0.25))
 
 @dataclass
@@ -165,7 +174,14 @@ class DemoConfig:
     engines: int = 1
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    # toy_adapter(method): given in part (adapter.schedule.every_n_steps=1), the rest is the
+    # method's toy adapter
     adapter: AdapterConfig = field(default_factory=toy_adapter)
+
+    @staticmethod
+    def section_defaults(data: dict) -> dict:
+        """The adapter's defaults follow the method (config.load_config asks before it builds)."""
+        return {"adapter": toy_adapter(str(data.get("method", "eagle3")))}
 
     def __post_init__(self) -> None:
         if self.k is None:

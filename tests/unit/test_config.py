@@ -110,6 +110,28 @@ def test_demo_initial_draft_is_the_targets_own_only_where_it_has_one():
         load_config(DemoConfig, None, ["initial_draft=target"])
 
 
+def test_demo_adapter_defaults_follow_the_method(tmp_path):
+    """method=mtp starts from the toy adapter for MTP layers (one block a round, three rounds of
+    advance, a 3% margin); a key given sets only itself, from the command line or a YAML file."""
+    from draftadapt.toy.demo_config import DemoConfig, toy_adapter
+
+    def knobs(cfg):
+        a = cfg.adapter
+        return a.schedule.max_train_steps, a.schedule.burst_rounds, a.validation.margin, a.schedule.every_n_steps
+
+    assert knobs(load_config(DemoConfig, None, [])) == (16, 2, 0.01, 2)
+    assert load_config(DemoConfig, None, []).adapter == toy_adapter() == DemoConfig().adapter
+    assert knobs(load_config(DemoConfig, None, ["method=mtp"])) == (8, 3, 0.03, 2)
+    assert load_config(DemoConfig, None, ["method=mtp"]).adapter == toy_adapter("mtp")
+    assert knobs(load_config(DemoConfig, None, ["method=mtp", "adapter.schedule.max_train_steps=24"])) == (24, 3, 0.03, 2)
+    p = tmp_path / "mtp.yaml"
+    p.write_text("method: mtp\nadapter:\n  schedule:\n    every_n_steps: 1\n")
+    assert knobs(load_config(DemoConfig, p)) == (8, 3, 0.03, 1)
+    # the rest of the two is the same adapter
+    eagle, mtp = toy_adapter(), toy_adapter("mtp")
+    assert (eagle.train, eagle.priority, eagle.schedule.max_share) == (mtp.train, mtp.priority, mtp.schedule.max_share)
+
+
 def test_demo_drafts_are_trained_at_least_k_steps_deep(tmp_path):
     """vLLM chains the draft k times: the demo's pretrains and its adapter unroll at least k TTT
     steps and score at k; a deeper recipe or adapter setting is kept."""
