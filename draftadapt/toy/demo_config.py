@@ -72,10 +72,10 @@ def toy_adapter(method: str = "eagle3") -> AdapterConfig:
 
     MTP layers (``method="mtp"``): a round stops after its first block, drift and chase rounds
     may run three rounds ahead of the budget, and a candidate is published unless it scores 3%
-    below the live draft. An MTP block costs about twice an Eagle-3 head's (a whole layer of the
-    target, k=5 deep), so a catch-up block in a calm step spent the budget the drift's first steps
-    then lacked, and the rounds waited while the policy moved (docs/design.md, "MTP under the
-    cap", where the replays behind it are).
+    below the live draft. The MTP world's drift comes in two steps and its layer needs a round at
+    each, so a catch-up block in a calm step spent the budget those steps then lacked, and the
+    rounds waited while the policy moved (docs/design.md, "MTP under the cap", where the replays
+    behind it are).
     """
     mtp = method == "mtp"
     return AdapterConfig(
