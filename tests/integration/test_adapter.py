@@ -68,7 +68,9 @@ def test_background_round_runs_beside_generation_and_is_swapped_after(world, toy
         adapter.start_step()
         with pytest.raises(RuntimeError, match="finish_step"):
             adapter.start_step()
-        nxt = rollouts(world, seed=12)  # the engine generates while the round trains
+        # the engine generates while the round trains (16 prompts: the two share 2 cores, and 48 here
+        # took 30 s; a shorter generation only makes the observe below more likely to have to wait)
+        nxt = rollouts(world, seed=12, n=16)
         adapter.observe(nxt, policy_version=0)  # waits for the round: the buffer is never shared
         assert adapter._round is not None and adapter._round.done()
         m = adapter.finish_step()
