@@ -174,8 +174,9 @@ class DemoConfig:
     engines: int = 1
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
-    # toy_adapter(method): given in part (adapter.schedule.every_n_steps=1), the rest is the
-    # method's toy adapter
+    # toy_adapter(method) through load_config (the CLI, a YAML recipe): given in part
+    # (adapter.schedule.every_n_steps=1), the rest is the method's toy adapter. Built in code,
+    # DemoConfig(method="mtp", adapter=toy_adapter("mtp")) says it.
     adapter: AdapterConfig = field(default_factory=toy_adapter)
 
     @staticmethod
