@@ -167,15 +167,34 @@ def replay(spool: Path, target: Path, draft: Path, overrides: list[str], eval_se
 
 
 def summarize(res: dict, last: int) -> dict:
-    tail = res["steps"][-last:]
+    steps = res["steps"]
+    tail = steps[-last:]
+    start = steps[0]["frozen"]  # the starting draft on the first scored set: what "retention" divides by
+    adapted = [r["adapted"] for r in steps]
     out = {"try": " ".join(res["overrides"]) or "(defaults)",
            "adapted_last": sum(r["adapted"] for r in tail) / len(tail),
            "frozen_last": sum(r["frozen"] for r in tail) / len(tail),
-           "published": sum(r["published"] for r in res["steps"]),
+           # the demo's whole-run figures, on the replay's scores
+           "worst_over_start": min(adapted) / start,
+           "mean_over_start": sum(adapted) / len(adapted) / start,
+           "published": sum(r["published"] for r in steps),
            "adapt_seconds": res["adapt_seconds"]}
     if res.get("share") is not None:  # --rl-step-s: the emulated cap's share and its waits
         out["adapt_share"] = res["share"]
-        out["deferred"] = sum(r["deferred"] for r in res["steps"])
+        out["deferred"] = sum(r["deferred"] for r in steps)
+    return out
+
+
+def over_seeds(runs: list[dict]) -> dict:
+    """One config's summaries over its ``train.seed``s (--seeds): the mean of each figure, and
+    the lowest worst step and mean (a single replay's spread is as large as most settings'
+    effects; docs/design.md, "MTP under the cap")."""
+    out = {"try": runs[0]["try"].rsplit(" train.seed=", 1)[0], "seeds": len(runs)}
+    for key in ("worst_over_start", "mean_over_start", "adapted_last", "adapt_seconds", "adapt_share", "deferred"):
+        if key in runs[0]:
+            out[key] = sum(r[key] for r in runs) / len(runs)
+    out["min_worst_over_start"] = min(r["worst_over_start"] for r in runs)
+    out["min_mean_over_start"] = min(r["mean_over_start"] for r in runs)
     return out
 
 
@@ -197,14 +216,18 @@ def main(argv: list[str] | None = None) -> int:
                          "counts this many seconds of generation and policy update (a demo's mean of "
                          "stage/gen_s + stage/train_s), and the live draft's simulated acceptance on each "
                          "step's rollouts stands in for the engine's measurement; 0 = cap off")
-    ap.add_argument("--json", action="store_true", help="print one JSON object per config instead of a table")
+    ap.add_argument("--seeds", type=int, default=1,
+                    help="replay each config with train.seed=0..N-1 and summarise it over them (mean, and "
+                         "the lowest worst step and mean); a --try that sets train.seed runs once")
+    ap.add_argument("--json", action="store_true", help="print one JSON object per config instead of a table "
+                                                         "(with --seeds: one a seed, then one over the seeds)")
     args = ap.parse_args(argv)
     for p, what in ((args.spool, "--spool"), (args.target, "--target"), (args.draft, "--draft")):
         if not p.is_dir():
             print(f"error: {what} {p} is not a directory", file=sys.stderr)
             return 2
-    if args.last < 1 or args.eval_seqs < 1 or args.rl_step_s < 0:
-        print("error: --last and --eval-seqs must be >= 1, --rl-step-s >= 0", file=sys.stderr)
+    if args.last < 1 or args.eval_seqs < 1 or args.rl_step_s < 0 or args.seeds < 1:
+        print("error: --last, --eval-seqs and --seeds must be >= 1, --rl-step-s >= 0", file=sys.stderr)
         return 2
     tries = [shlex.split(t) for t in (args.tries or [""])]
     try:
@@ -214,22 +237,29 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --try: {exc}", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
-    results = []
+    rows = []  # (summary, seeds summarised in it)
     for t in tries:
-        try:
-            res = replay(args.spool, args.target, args.draft, t, args.eval_seqs, args.base, args.rl_step_s)
-        except (ValueError, ConfigError) as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-        results.append(res)
-        if args.json:
-            print(json.dumps({**summarize(res, args.last), "per_step": res["steps"]}), flush=True)
+        seeded = any(o.startswith("train.seed=") for o in t)
+        runs = []
+        for seed in range(1 if seeded else args.seeds):
+            overrides = t + ([f"train.seed={seed}"] if args.seeds > 1 and not seeded else [])
+            try:
+                res = replay(args.spool, args.target, args.draft, overrides, args.eval_seqs, args.base, args.rl_step_s)
+            except (ValueError, ConfigError) as exc:
+                print(f"error: {exc}", file=sys.stderr)
+                return 2
+            runs.append(summarize(res, args.last))
+            if args.json:
+                print(json.dumps({**runs[-1], "per_step": res["steps"]}), flush=True)
+        rows.append(over_seeds(runs) if len(runs) > 1 else runs[0])
+        if args.json and len(runs) > 1:
+            print(json.dumps(rows[-1]), flush=True)
     if not args.json:
-        print(f"{'config':60s} | adapted last {args.last} | frozen last {args.last} | published | adapt s")
-        for res in results:
-            s = summarize(res, args.last)
-            print(f"{s['try'][:60]:60s} | {s['adapted_last']:14.3f} | {s['frozen_last']:13.3f} | "
-                  f"{s['published']:9d} | {s['adapt_seconds']:7.1f}")
+        print(f"{'config':60s} | seeds | worst / start | mean / start | adapted last {args.last} | adapt s")
+        for s in rows:
+            lows = f" ({s['min_worst_over_start']:.3f})" if "seeds" in s else ""
+            print(f"{s['try'][:60]:60s} | {s.get('seeds', 1):5d} | {s['worst_over_start']:.3f}{lows:8s} | "
+                  f"{s['mean_over_start']:12.3f} | {s['adapted_last']:14.3f} | {s['adapt_seconds']:7.1f}")
     return 0
 
 

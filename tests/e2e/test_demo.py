@@ -107,7 +107,8 @@ def test_demo_smoke(toy_target, tmp_path):
     # repeats what the live adapter did (same inputs, same order), and a second config is scored
     # on exactly the same held-out sets.
     adapter_cfg = yaml.safe_load((out / "config.yaml").read_text())["adapter"]
-    same = " ".join(f"{k}={v}" for k, v in flatten(adapter_cfg))
+    pairs = [f"{k}={v}" for k, v in flatten(adapter_cfg)]
+    same = " ".join(pairs)
     cmd = [sys.executable, str(REPO / "scripts" / "replay_adapter.py"), "--spool", str(tmp_path / "spool"),
            "--target", str(toy_target), "--draft", str(draft), "--try", same,
            "--try", same + " train.lr=1e-2", "--json", "--eval-seqs", "16"]
@@ -126,13 +127,34 @@ def test_demo_smoke(toy_target, tmp_path):
     assert [r["frozen"] for r in other["per_step"]] == [r["frozen"] for r in mine["per_step"]]
     # The live loop's cost cap, emulated: each step counts a millisecond of RL work, so after the
     # first round (nothing to expect yet) the next one waits, and the adapter's share is most of
-    # the emulated run's time.
-    emu = subprocess.run(cmd[:8] + ["--try", same + " schedule.max_share=0.05", "--json", "--eval-seqs", "16",
-                                    "--rl-step-s", "0.001"], capture_output=True, text=True, timeout=600, cwd=REPO)
+    # the emulated run's time; with --seeds 2, on either train.seed, then summarised over both
+    # (the demo's config names its train.seed: left out here, or the try would run once).
+    unseeded = " ".join(p for p in pairs if not p.startswith("train.seed="))
+    emu = subprocess.run(cmd[:8] + ["--try", unseeded + " schedule.max_share=0.05", "--json", "--eval-seqs", "16",
+                                    "--rl-step-s", "0.001", "--seeds", "2"],
+                         capture_output=True, text=True, timeout=600, cwd=REPO)
     assert emu.returncode == 0, emu.stdout[-3000:] + emu.stderr[-3000:]
-    capped = next(json.loads(line) for line in emu.stdout.splitlines() if line.startswith("{"))
-    assert [(r["train_steps"] > 0, r["deferred"]) for r in capped["per_step"]] == [(True, 0), (False, 1)], capped
-    assert capped["deferred"] == 1 and capped["adapt_share"] > 0.5, capped
+    *seeds, both = (json.loads(line) for line in emu.stdout.splitlines() if line.startswith("{"))
+    assert [c["try"].rsplit(" ", 1)[-1] for c in seeds] == ["train.seed=0", "train.seed=1"]
+    for capped in seeds:
+        assert [(r["train_steps"] > 0, r["deferred"]) for r in capped["per_step"]] == [(True, 0), (False, 1)], capped
+        assert capped["deferred"] == 1 and capped["adapt_share"] > 0.5, capped
+        adapted = [r["adapted"] for r in capped["per_step"]]
+        start = capped["per_step"][0]["frozen"]
+        assert capped["worst_over_start"] == pytest.approx(min(adapted) / start, rel=1e-12)
+        assert capped["mean_over_start"] == pytest.approx(sum(adapted) / len(adapted) / start, rel=1e-12)
+    assert both["seeds"] == 2 and both["try"].endswith(" schedule.max_share=0.05"), both
+    for key in ("worst_over_start", "mean_over_start", "adapt_share", "deferred"):
+        assert both[key] == pytest.approx((seeds[0][key] + seeds[1][key]) / 2, rel=1e-12), key
+    assert both["min_worst_over_start"] == min(c["worst_over_start"] for c in seeds)
+    # the README's form: a table, a row a config
+    table = subprocess.run(cmd[:8] + ["--eval-seqs", "16", "--last", "1"], capture_output=True, text=True,
+                           timeout=600, cwd=REPO)
+    assert table.returncode == 0, table.stdout[-3000:] + table.stderr[-3000:]
+    head, row = [line for line in table.stdout.splitlines() if " | " in line][-2:]
+    assert head.split(" | ")[1:4] == ["seeds", "worst / start", "mean / start"], head
+    cells = [c.strip() for c in row.split(" | ")]
+    assert cells[1] == "1" and 0 < float(cells[2]) <= float(cells[3]) + 1e-9, row
     bad = subprocess.run(cmd[:8] + ["--try", "schedule.no_such_key=1"], capture_output=True, text=True, cwd=REPO)
     assert bad.returncode == 2 and "no_such_key" in bad.stderr, bad.stderr
 
