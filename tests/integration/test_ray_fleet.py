@@ -63,9 +63,7 @@ def test_fleet_keeps_every_engine_on_the_newest_draft_through_kills(ray_cluster,
     try:
         first_pids = {s["engine"]: s["pid"] for s in fleet.status()}
         adapter_pid = adapter.status()["pid"]
-        # 7 steps: kills at steps 3 and 5, and a step after the adapter's restart whose round and
-        # swap go through the restarted actor
-        for step in range(7):
+        for step in range(8):
             killer = None
             if step == 3:  # engine1 dies while it generates its shard
                 victim = fleet.actors[1]
