@@ -185,11 +185,11 @@ def summarize(res: dict, last: int) -> dict:
     return out
 
 
-def over_seeds(runs: list[dict]) -> dict:
-    """One config's summaries over its ``train.seed``s (--seeds): the mean of each figure, and
-    the lowest worst step and mean (a single replay's spread is as large as most settings'
+def over_seeds(label: str, runs: list[dict]) -> dict:
+    """Config ``label``'s summaries over its ``train.seed``s (--seeds): the mean of each figure,
+    and the lowest worst step and mean (a single replay's spread is as large as most settings'
     effects; docs/design.md, "MTP under the cap")."""
-    out = {"try": runs[0]["try"].rsplit(" train.seed=", 1)[0], "seeds": len(runs)}
+    out = {"try": label, "seeds": len(runs)}
     for key in ("worst_over_start", "mean_over_start", "adapted_last", "adapt_seconds", "adapt_share", "deferred"):
         if key in runs[0]:
             out[key] = sum(r[key] for r in runs) / len(runs)
@@ -237,12 +237,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --try: {exc}", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
-    rows = []  # (summary, seeds summarised in it)
+    rows = []  # a summary a config (over its seeds with --seeds)
     for t in tries:
-        seeded = any(o.startswith("train.seed=") for o in t)
+        seeded = args.seeds > 1 and not any(o.startswith("train.seed=") for o in t)
         runs = []
-        for seed in range(1 if seeded else args.seeds):
-            overrides = t + ([f"train.seed={seed}"] if args.seeds > 1 and not seeded else [])
+        for extra in ([[f"train.seed={seed}"] for seed in range(args.seeds)] if seeded else [[]]):
+            overrides = t + extra
             try:
                 res = replay(args.spool, args.target, args.draft, overrides, args.eval_seqs, args.base, args.rl_step_s)
             except (ValueError, ConfigError) as exc:
@@ -251,8 +251,8 @@ def main(argv: list[str] | None = None) -> int:
             runs.append(summarize(res, args.last))
             if args.json:
                 print(json.dumps({**runs[-1], "per_step": res["steps"]}), flush=True)
-        rows.append(over_seeds(runs) if len(runs) > 1 else runs[0])
-        if args.json and len(runs) > 1:
+        rows.append(over_seeds(" ".join(t) or "(defaults)", runs) if seeded else runs[0])
+        if args.json and seeded:
             print(json.dumps(rows[-1]), flush=True)
     if not args.json:
         print(f"{'config':60s} | seeds | worst / start | mean / start | adapted last {args.last} | adapt s")

@@ -182,7 +182,7 @@ class DemoConfig:
     @staticmethod
     def section_defaults(data: dict) -> dict:
         """The adapter's defaults follow the method (config.load_config asks before it builds)."""
-        return {"adapter": toy_adapter(str(data.get("method", "eagle3")))}
+        return {"adapter": toy_adapter(str(data.get("method", DemoConfig.method)))}
 
     def __post_init__(self) -> None:
         if self.k is None:
