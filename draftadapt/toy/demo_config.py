@@ -57,8 +57,8 @@ def toy_adapter(method: str = "eagle3") -> AdapterConfig:
 
     A round every other RL step: 8 optimizer steps of 16 sequences, the TTT steps >= 1 at a
     quarter of the positions, 32 held-out rollouts to decide the publish (docs/design.md,
-    "Adapter cost"). Following the drift (docs/design.md, "Following the drift", where the
-    replays behind each setting are): the rate warms up over the first 16 optimizer steps (at
+    "Adapter cost"). Following the drift (docs/design.md, "Following the drift"; the replays
+    behind each setting: docs/appendix-experiments.md): the rate warms up over the first 16 optimizer steps (at
     full rate from the start, fresh moments pushed the pretrained draft off its minimum and the
     early candidates lost to it), a fall of 3% in the RL batch's measured acceptance since the
     last round brings a round at once, a round goes on in blocks of 8 up to 16 steps while a
@@ -74,8 +74,8 @@ def toy_adapter(method: str = "eagle3") -> AdapterConfig:
     may run three rounds ahead of the budget, and a candidate is published unless it scores 3%
     below the live draft. The MTP world's drift comes in two steps and its layer needs a round at
     each, so a catch-up block in a calm step spent the budget those steps then lacked, and the
-    rounds waited while the policy moved (docs/design.md, "MTP under the cap", where the replays
-    behind it are).
+    rounds waited while the policy moved (docs/design.md, "MTP under the cap"; the replays
+    behind it: docs/appendix-experiments.md).
     """
     mtp = method == "mtp"
     return AdapterConfig(
