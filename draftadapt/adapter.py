@@ -58,12 +58,12 @@ class ScheduleConfig:
     drift_fraction: float = 0.05
     train_steps: int = 12  # optimizer steps per adaptation round
     min_sequences: int = 16  # do not train on fewer buffered sequences than this
-    # Catch-up: while the policy runs away from the draft, one round of train_steps is not enough.
-    # After each block of train_steps the candidate is scored on the held-out rollouts; another
-    # block follows while the last one raised that score by at least catchup_gain (a fraction),
-    # up to max_train_steps in the round. 0 = off (one block a round).
+    # Catch-up: a round's most optimizer steps, in blocks of train_steps, for while the policy runs
+    # away from the draft and one block is not enough. After each block the candidate is scored
+    # on the held-out rollouts; another block follows while the last one raised that score by at
+    # least catchup_gain (a fraction), up to max_train_steps in the round. 0 = off (one block a round).
     max_train_steps: int = 0
-    catchup_gain: float = 0.02
+    catchup_gain: float = 0.02  # catch-up: the rise in held-out score (a fraction) a block must bring for another to follow
     # Chase: a round whose candidate beat the live draft by at least this fraction (on the same
     # held-out rollouts of the newest policy) found the draft behind a moving policy; the next
     # round is then due at the very next RL step instead of after every_n_steps. 0 = off.
@@ -121,9 +121,9 @@ class AdapterConfig:
     # and grpo.temperature; SpeculativeRollouts its method, k and the trainer's temperature) and
     # refuses a different value set here (config.pass_down): leave them unset there. Unset where
     # DraftAdapter is made directly: RUN_DEFAULTS (eagle3, k=3, T=1).
-    method: str | None = None  # eagle3 | draft_model | mtp (must match the draft directory)
-    k: int | None = None  # speculative tokens the engine drafts (for the simulated acceptance)
-    temperature: float | None = None  # the engine's sampling temperature (the distribution to match)
+    method: str | None = None  # eagle3 | draft_model | mtp, as the draft directory; unset: the run's, else eagle3
+    k: int | None = None  # speculative tokens the engine drafts (for the simulated acceptance); unset: the run's, else 3
+    temperature: float | None = None  # the engine's sampling temperature (what the draft matches); unset: the run's, else 1
     replay_max_tokens: int = 200_000  # bound of the replay buffer in tokens
     replay_max_bytes: int = 512 << 20  # and in bytes (handed-over hidden states count)
     recency_decay: float = 0.5  # sampling weight of a sequence = decay ** (newest version - its version)

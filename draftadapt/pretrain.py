@@ -66,15 +66,15 @@ class DataConfig:
     num_prompts: int = 2048  # training prompts; each gets one response from the target
     heldout_prompts: int = 64  # for the simulated acceptance during and after training
     chat_template: bool = False  # wrap prompts in the tokenizer's chat template
-    seed: int = 0
+    seed: int = 0  # draws the toy prompts (or shuffles the file's); response i samples with seed + i
 
 
 @dataclass
 class GenerateConfig:
     temperature: float = 1.0  # the target samples responses (and is distilled) at this temperature
     max_tokens: int = 96  # response budget (toy responses are <= ~80 tokens)
-    max_model_len: int = 256
-    max_num_seqs: int = 64
+    max_model_len: int = 256  # the regeneration engine's context, prompt and response, in tokens
+    max_num_seqs: int = 64  # sequences the regeneration engine decodes at once
     kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE for the regeneration engine
 
 
@@ -95,7 +95,7 @@ class DraftConfig:
     num_layers: int = 2  # small draft LM only
     hidden_size: int = 128  # small draft LM only
     num_heads: int = 4  # small draft LM only
-    seed: int = 0
+    seed: int = 0  # initialises a fresh draft's weights
 
 
 @dataclass
@@ -104,15 +104,15 @@ class PretrainConfig:
     target: str = ""  # HF target model directory
     out: str = ""  # the draft directory written at the end (vLLM loads it directly)
     build_toy: bool = False  # build the toy target at ``target`` first if it is missing
-    epochs: int = 3
+    epochs: int = 3  # passes over the training prompts' responses
     max_steps: int = 0  # > 0: stop after this many optimizer steps (overrides epochs)
     max_minutes: float = 0.0  # > 0: stop training after this wall time and export what there is
     k: int = 3  # speculative tokens the draft is exported and scored for
     eval_every: int = 0  # > 0: score simulated acceptance on the held-out set every N steps
     checkpoint_every: int = 100  # steps between resumable checkpoints (one more at the end)
-    keep_checkpoints: int = 2
+    keep_checkpoints: int = 2  # the newest resumable checkpoints kept; older ones are removed
     log: list[str] = field(default_factory=lambda: ["tensorboard", "jsonl"])  # + "stdout"
-    log_every: int = 10
+    log_every: int = 10  # optimizer steps between metric rows
     cache_capture: bool = True  # capture each batch once (shards in out/pretrain/capture), reuse per epoch
     capture_dtype: str = "float16"  # storage type of cached aux states and log-probs: float16 or float32
     keep_capture: bool = False  # keep those shards after a finished run (they can be large)

@@ -47,7 +47,7 @@ class SidecarConfig:
     poll_s: float = 1.0  # seconds between spool polls when idle
     max_idle_s: float = 0.0  # > 0: exit after this long with nothing new (0: run until the spool is finished)
     exit_when_finished: bool = True  # stop once the RL side called SpoolWriter.finish() and all is consumed
-    log: list[str] = field(default_factory=lambda: ["jsonl", "tensorboard", "stdout"])
+    log: list[str] = field(default_factory=lambda: ["jsonl", "tensorboard", "stdout"])  # metric sinks, under OUT/.sidecar
     adapter: AdapterConfig = field(default_factory=AdapterConfig)
 
 

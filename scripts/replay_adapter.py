@@ -188,7 +188,7 @@ def summarize(res: dict, last: int) -> dict:
 def over_seeds(label: str, runs: list[dict]) -> dict:
     """Config ``label``'s summaries over its ``train.seed``s (--seeds): the mean of each figure,
     and the lowest worst step and mean (a single replay's spread is as large as most settings'
-    effects; docs/design.md, "MTP under the cap")."""
+    effects; docs/design.md, "Replaying under the cap")."""
     out = {"try": label, "seeds": len(runs)}
     for key in ("worst_over_start", "mean_over_start", "adapted_last", "adapt_seconds", "adapt_share", "deferred"):
         if key in runs[0]:

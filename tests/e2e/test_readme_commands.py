@@ -23,7 +23,7 @@ def last_json_line(proc: subprocess.CompletedProcess) -> dict:
 
 
 def test_trl_recipe_runs_as_the_readme_shows(toy_target, tmp_path):
-    """`python recipes/trl_grpo_toy.py --out DIR --steps N --toy T --draft D` (README, "TRL"):
+    """`python recipes/trl_grpo_toy.py --out DIR --steps N --toy T --draft D` (README, "Inside TRL"):
     TRL's own GRPOTrainer with the draft adapted, its summary and its one-line result."""
     draft = init_draft(toy_target, "eagle3", tmp_path / "draft0", seed=0)
     out = tmp_path / "trl"

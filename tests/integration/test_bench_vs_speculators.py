@@ -1,7 +1,7 @@
 """scripts/bench_vs_speculators.py as a user runs it, shortened: speculators' own trainer and
 `draftadapt pretrain` on the same regenerated toy data, head and step count, then served in vLLM.
 
-The full run and its numbers: docs/design.md, "speculators".
+The full run and its numbers: docs/appendix-experiments.md, "speculators' trainer against `draftadapt pretrain`".
 """
 
 from __future__ import annotations
