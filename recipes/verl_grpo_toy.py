@@ -31,7 +31,7 @@ from pathlib import Path
 
 from draftadapt.integrations.verl import POLICY_TAP
 from draftadapt.toy import PRETRAIN_RECIPE, task
-from draftadapt.toy.demo_config import pretrain_overrides, toy_adapter
+from draftadapt.rl.config import pretrain_overrides, toy_adapter
 
 # the chat template verl applies to each prompt: the toy prompt as it is (the toy target was
 # trained on bare prompts)

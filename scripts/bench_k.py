@@ -27,7 +27,7 @@ def run_drafts(run: Path):
     """The demo's config (its DemoConfig, as the run saved it) and its drafts by arm."""
     from draftadapt.config import load_config
     from draftadapt.data.store import DraftStore
-    from draftadapt.toy.demo_config import DemoConfig
+    from draftadapt.rl.config import DemoConfig
 
     cfg_file = run / "config.yaml"
     if not cfg_file.is_file():

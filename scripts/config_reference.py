@@ -34,7 +34,7 @@ def sections() -> list[tuple[str, type]]:
     from draftadapt.pretrain import PretrainConfig
     from draftadapt.sidecar import SidecarConfig
     from draftadapt.sim.config import SimConfig
-    from draftadapt.toy.demo_config import DemoConfig
+    from draftadapt.rl.config import DemoConfig
 
     return [
         ("The adapter: `AdapterConfig`", AdapterConfig),

@@ -92,7 +92,7 @@ def adapter_config(base: str, overrides: list[str], keep_cap: bool = False) -> A
     if base == "library":
         return load_config(AdapterConfig, None, overrides)
     from draftadapt.config import parse_overrides, save_config
-    from draftadapt.toy.demo_config import toy_adapter
+    from draftadapt.rl.config import toy_adapter
 
     method = dict(parse_overrides(overrides)).get("method", "eagle3")
     with tempfile.TemporaryDirectory(prefix="replay_cfg_") as tmp:

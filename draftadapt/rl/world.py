@@ -5,6 +5,7 @@ picks one (draftadapt/demo.py)."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -28,3 +29,11 @@ class World(Protocol):
 
     def save_policy(self, policy, target: Path, path: Path) -> None:
         """The policy as a model directory transformers and vLLM load (the target's tokenizer beside it)."""
+
+
+def copy_model_files(target: Path, path: Path, extra: tuple[str, ...] = ()) -> None:
+    """The target's tokenizer files, chat template, generation config and ``extra`` files, copied
+    into ``path`` (beside a policy saved there, so transformers and vLLM load it as a model)."""
+    for f in Path(target).iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")) or f.name in ("generation_config.json", *extra):
+            shutil.copy2(f, Path(path) / f.name)

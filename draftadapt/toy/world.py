@@ -16,7 +16,8 @@ from pathlib import Path
 from draftadapt.config import ConfigError, load_config
 from draftadapt.drafts.spec import spec_for
 from draftadapt.pretrain import PretrainConfig, ToyWorld, pretrain
-from draftadapt.toy import task
+from draftadapt.rl.world import copy_model_files
+from draftadapt.toy import PRETRAIN_RECIPE, task
 
 
 def toy_prompts(num: int, seed: int) -> list[str]:
@@ -67,3 +68,45 @@ def prepare_toy_world(out: str | Path, toy: str | Path | None, draft: str | Path
         pretrain(load_config(PretrainConfig, pretrain_recipe, [f"target={toy}", f"out={draft}", f"method={method}",
                                                                *pretrain_overrides]), TOY)
     return toy, draft
+
+
+class ToyRL:
+    """The toy world as the demo's RL loop takes it (draftadapt/rl/world.py's ``World``)."""
+
+    name = "toy"
+    pretrain_recipe = PRETRAIN_RECIPE
+    pretrain_source = TOY
+    style = "verbose"  # the answer style the reward's bonus pays for unless grpo.style says another
+
+    def prepare(self, cfg, out: Path) -> tuple[Path, Path]:
+        from draftadapt.rl.config import demo_pretrain_overrides
+
+        return prepare_toy_world(out, cfg.target, cfg.draft, cfg.seed, cfg.pretrain_recipe or PRETRAIN_RECIPE,
+                                 demo_pretrain_overrides(cfg, PRETRAIN_RECIPE), tag="demo", method=cfg.method,
+                                 own_draft=cfg.initial_draft == "own")
+
+    def sample_problems(self, target: Path, n: int, seed: int) -> list[dict]:
+        return task.sample_problems(n, seed)
+
+    def heldout_prompts(self, target: Path, n: int) -> list[str]:
+        return [p["prompt"] for p in task.load_heldout(target)[:n]]
+
+    def score(self, problem: dict, text: str, cfg) -> tuple[float, float, bool]:
+        correct = task.reward(problem, text)
+        styled = task.style_of(text) == (cfg.style or self.style)
+        reward = correct
+        if cfg.style_bonus and styled:
+            reward += cfg.style_bonus
+        return reward, correct, styled
+
+    def fresh_overrides(self, target: Path) -> list[str]:
+        return ["build_toy=false"]
+
+    def save_policy(self, policy, target: Path, path: Path) -> None:
+        """The final policy as a model dir transformers and vLLM load (tokenizer and held-out
+        problems copied from the toy; an MTP toy's layers carried over)."""
+        from draftadapt.toy.mtp import carry_mtp_layers
+
+        policy.save_pretrained(str(path), safe_serialization=True)
+        carry_mtp_layers(target, path)  # an MTP toy's final policy is an MTP target again (no-op otherwise)
+        copy_model_files(target, path, ("heldout.jsonl",))

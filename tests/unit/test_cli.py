@@ -10,7 +10,7 @@ import pytest
 from draftadapt.cli import DEMO_FLAGS, EVAL_FLAGS, _parser, field_overrides, main, parse_cli
 from draftadapt.config import ConfigError, load_config
 from draftadapt.evaluate import EvaluateConfig
-from draftadapt.toy.demo_config import DemoConfig
+from draftadapt.rl.config import DemoConfig
 
 
 def _demo(argv: list[str]) -> DemoConfig:
@@ -20,8 +20,9 @@ def _demo(argv: list[str]) -> DemoConfig:
 
 def test_demo_flags_are_democonfig_fields():
     assert _demo([]) == DemoConfig()
-    cfg = _demo(["--out", "o", "--steps", "4", "--seed", "2", "--toy", "t", "fresh_final=false"])
-    assert (cfg.out, cfg.grpo.steps, cfg.seed, cfg.toy, cfg.fresh_final) == ("o", 4, 2, "t", False)
+    cfg = _demo(["--out", "o", "--steps", "4", "--seed", "2", "--target", "t", "fresh_final=false"])
+    assert (cfg.out, cfg.grpo.steps, cfg.seed, cfg.target, cfg.fresh_final) == ("o", 4, 2, "t", False)
+    assert _demo(["--toy", "t"]).target == "t"  # the flag's older name, for the toy world's commands
     # the flag wins over an override of the same field
     assert _demo(["--seed", "5", "seed=3"]).seed == 5
     assert _demo(["seed=3"]).seed == 3  # no flag: the override holds (a flag's default used to win)
@@ -29,7 +30,7 @@ def test_demo_flags_are_democonfig_fields():
 
 def test_overrides_may_sit_between_flags():
     cfg = _demo(["--toy", "t", "k=5", "--steps", "4", "fresh_final=false", "k=4"])
-    assert (cfg.toy, cfg.grpo.steps, cfg.fresh_final, cfg.k) == ("t", 4, False, 4)  # in order: the last k wins
+    assert (cfg.target, cfg.grpo.steps, cfg.fresh_final, cfg.k) == ("t", 4, False, 4)  # in order: the last k wins
     for argv in (["--toy", "t", "k=5", "--nope", "1"], ["--toy", "t", "k=5", "--steps", "4", "stray"]):
         with pytest.raises(SystemExit) as exc:
             parse_cli(["demo", *argv])

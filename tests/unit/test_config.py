@@ -87,7 +87,7 @@ def test_a_renamed_key_names_the_new_one(tmp_path):
     """A config.yaml saved before AdapterConfig.validate_cfg became ``validation`` fails telling
     the user what to write instead (at any depth), and the new key works."""
     from draftadapt.adapter import AdapterConfig
-    from draftadapt.toy.demo_config import DemoConfig
+    from draftadapt.rl.config import DemoConfig
 
     with pytest.raises(ConfigError, match=r"^validate_cfg was renamed to validation; write validation"):
         load_config(AdapterConfig, None, ["validate_cfg.margin=0.1"])
@@ -100,7 +100,7 @@ def test_a_renamed_key_names_the_new_one(tmp_path):
 
 
 def test_demo_initial_draft_is_the_targets_own_only_where_it_has_one():
-    from draftadapt.toy.demo_config import DemoConfig
+    from draftadapt.rl.config import DemoConfig
 
     assert load_config(DemoConfig, None, ["method=mtp"]).initial_draft == "pretrain"
     assert load_config(DemoConfig, None, ["method=mtp", "initial_draft=own"]).initial_draft == "own"
@@ -113,7 +113,7 @@ def test_demo_initial_draft_is_the_targets_own_only_where_it_has_one():
 def test_demo_adapter_defaults_follow_the_method(tmp_path):
     """method=mtp starts from the toy adapter for MTP layers (one block a round, three rounds of
     advance, a 3% margin); a key given sets only itself, from the command line or a YAML file."""
-    from draftadapt.toy.demo_config import DemoConfig, toy_adapter
+    from draftadapt.rl.config import DemoConfig, toy_adapter
 
     def knobs(cfg):
         a = cfg.adapter
@@ -135,28 +135,29 @@ def test_demo_adapter_defaults_follow_the_method(tmp_path):
 def test_demo_drafts_are_trained_at_least_k_steps_deep(tmp_path):
     """vLLM chains the draft k times: the demo's pretrains and its adapter unroll at least k TTT
     steps and score at k; a deeper recipe or adapter setting is kept."""
-    from draftadapt.toy.demo_config import DemoConfig, demo_adapter, demo_pretrain_overrides
+    from draftadapt.rl.config import DemoConfig, demo_adapter, demo_pretrain_overrides
+    from draftadapt.toy import PRETRAIN_RECIPE
 
     cfg = load_config(DemoConfig, None, [])  # k=3: the recipe's and the adapter's depth of 3 stand
-    assert demo_pretrain_overrides(cfg) == ["data.num_prompts=768", "k=3"]
+    assert demo_pretrain_overrides(cfg, PRETRAIN_RECIPE) == ["data.num_prompts=768", "k=3"]
     assert (demo_adapter(cfg).k, demo_adapter(cfg).train.ttt_steps, demo_adapter(cfg).method) == (3, 3, "eagle3")
     cfg = load_config(DemoConfig, None, ["method=mtp"])  # MTP's default k is 5
     assert cfg.k == 5 and load_config(DemoConfig, None, ["method=mtp", "k=3"]).k == 3
     assert DemoConfig(method="mtp").k == 5 and DemoConfig().k == 3  # built in code too
     with pytest.raises(ConfigError, match=r"k=0: give the number of tokens"):
         load_config(DemoConfig, None, ["k=0"])
-    assert demo_pretrain_overrides(cfg) == ["data.num_prompts=768", "k=5", "train.ttt_steps=5"]
+    assert demo_pretrain_overrides(cfg, PRETRAIN_RECIPE) == ["data.num_prompts=768", "k=5", "train.ttt_steps=5"]
     assert (demo_adapter(cfg).k, demo_adapter(cfg).train.ttt_steps, demo_adapter(cfg).method) == (5, 5, "mtp")
     assert cfg.adapter.train.ttt_steps == 3  # the config itself is not changed
     deep = tmp_path / "deep.yaml"
-    deep.write_text((Path(DemoConfig.pretrain_recipe).read_text()).replace("ttt_steps: 3", "ttt_steps: 7"))
+    deep.write_text(PRETRAIN_RECIPE.read_text().replace("ttt_steps: 3", "ttt_steps: 7"))
     cfg = load_config(DemoConfig, None, ["k=5", f"pretrain_recipe={deep}", "adapter.train.ttt_steps=6"])
-    assert demo_pretrain_overrides(cfg) == ["data.num_prompts=768", "k=5"]
+    assert demo_pretrain_overrides(cfg, PRETRAIN_RECIPE) == ["data.num_prompts=768", "k=5"]
     assert demo_adapter(cfg).train.ttt_steps == 6
 
 
 def test_demo_engines_refuses_what_the_fleet_does_not_run():
-    from draftadapt.toy.demo_config import DemoConfig
+    from draftadapt.rl.config import DemoConfig
 
     assert load_config(DemoConfig, None, ["engines=2"]).engines == 2
     with pytest.raises(ConfigError, match=r"engines=0: give the number of rollout engines"):
@@ -168,7 +169,7 @@ def test_demo_engines_refuses_what_the_fleet_does_not_run():
 def test_a_fact_has_one_field_and_is_passed_down():
     """k, method and the sampling temperature are the demo's (k, method, grpo.temperature): the
     adapter gets them passed down; its own field set to another value is refused naming both."""
-    from draftadapt.toy.demo_config import DemoConfig, demo_adapter
+    from draftadapt.rl.config import DemoConfig, demo_adapter
 
     a = demo_adapter(load_config(DemoConfig, None, ["grpo.temperature=0.7"]))
     assert (a.method, a.k, a.temperature) == ("eagle3", 3, 0.7)  # the draft matches what the engine samples

@@ -30,7 +30,7 @@ def test_committed_reference_is_current():
 def test_every_key_of_every_section_is_listed():
     text = ref.render()
     from draftadapt.adapter import AdapterConfig
-    from draftadapt.toy.demo_config import DemoConfig
+    from draftadapt.rl.config import DemoConfig
 
     for key in ("schedule.every_n_steps", "validation.margin", "train.ttt_slots", "priority"):
         assert f"| `{key}` |" in text, key

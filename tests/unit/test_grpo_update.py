@@ -1,4 +1,4 @@
-"""The toy GRPO update of draftadapt/toy/grpo.py (pure logic on a tiny model; the demo's e2e test runs
+"""The toy GRPO update of draftadapt/rl/loop.py (pure logic on a tiny model; the demo's e2e test runs
 it against real engines). The KL term once had its sign flipped and pushed the policy away from
 the reference (KL 0.01 -> 1.9 in six steps, accuracy -> 0): these tests pin its direction."""
 
@@ -10,8 +10,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from draftadapt.toy import grpo, task
-from draftadapt.toy.demo_config import GRPOConfig
+from draftadapt.data.sequences import as_sequences, collate
+from draftadapt.rl import grpo
+from draftadapt.toy import task
+from draftadapt.toy.world import ToyRL
+from draftadapt.rl.config import GRPOConfig
 from draftadapt.toy.model import ToyModelConfig, build_model
 from draftadapt.toy.tokenizer import build_tokenizer
 
@@ -24,6 +27,10 @@ def _rollouts(tok, n: int, seed: int):
         resp = tok(p["response"], add_special_tokens=False).input_ids
         out.append(SimpleNamespace(prompt_token_ids=ids, token_ids=resp, text=p["response"]))
     return problems, out
+
+
+def _score(cfg):
+    return lambda problem, text: ToyRL().score(problem, text, cfg)
 
 
 def _kl(policy, reference, batch, mask) -> float:
@@ -47,12 +54,12 @@ def test_kl_term_pulls_toward_the_reference(kl_coef):
     cfg = GRPOConfig(group_size=4, kl_coef=kl_coef, style_bonus=0.0, lr=1e-2, warmup_steps=0)
     same = [problems[0]] * len(rollouts)  # one problem for all: rewards equal within each group
     rollouts = [SimpleNamespace(**{**vars(r), "text": "garbage"}) for r in rollouts]
-    batch = grpo.collate(grpo.as_sequences(rollouts), 0)
+    batch = collate(as_sequences(rollouts), 0)
     mask = batch["loss_mask"][:, :-1].float()
     before = _kl(policy, reference, batch, mask)
     opt = torch.optim.SGD(policy.parameters(), lr=cfg.lr)
     for step in range(5):
-        out = grpo.grpo_update(policy, reference, opt, same, rollouts, cfg, 0, step)
+        out = grpo.grpo_update(policy, reference, opt, same, rollouts, cfg, 0, step, _score(cfg))
     after = _kl(policy, reference, batch, mask)
     assert out["rl/reward"] == 0.0
     if kl_coef:
@@ -86,7 +93,7 @@ def test_micro_batches_give_the_update_of_one_batch():
         policy = copy.deepcopy(start)
         cfg = GRPOConfig(group_size=4, kl_coef=0.5, style_bonus=0.5, lr=1e-2, warmup_steps=0, micro_batch=micro)
         out = grpo.grpo_update(policy, reference, torch.optim.SGD(policy.parameters(), lr=cfg.lr),
-                                 problems, rollouts, cfg, 0, 0)
+                                 problems, rollouts, cfg, 0, 0, _score(cfg))
         results[micro] = (out, torch.cat([p.detach().flatten() for p in policy.parameters()]))
     (one, w_one), (many, w_many) = results[len(rollouts)], results[5]
     moved = (w_one - torch.cat([p.detach().flatten() for p in start.parameters()])).abs().max()

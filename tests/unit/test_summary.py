@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from draftadapt.toy.summary import whole_run
+from draftadapt.rl.summary import whole_run
 
 
 def test_whole_run_block_from_per_step_acceptance():

@@ -1,0 +1,79 @@
+"""SmolLM2-135M-Instruct as the demo's RL world (draftadapt/rl/world.py's ``World``).
+
+    draftadapt demo --out runs/smol world=smollm2     # builds the model into OUT/model when not given
+
+RL draws its problems with the run's seeds, never one of the held-out questions (smollm2/build.py
+writes them beside the weights); the Eagle-3 head RL starts from is pretrained on the model's own
+answers by pretrain_eagle3.yaml.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from draftadapt.rl.world import copy_model_files
+from draftadapt.smollm2 import task
+from draftadapt.smollm2.build import HELDOUT, PROMPTS, build, tokenizer
+from draftadapt.smollm2.convert import ModelSourceError
+
+PRETRAIN_RECIPE = Path(__file__).with_name("pretrain_eagle3.yaml")
+
+
+class SmolLM2:
+    """The real-model world: SmolLM2-135M-Instruct on arithmetic word problems."""
+
+    name = "smollm2"
+    pretrain_recipe = PRETRAIN_RECIPE
+    pretrain_source = None  # the recipe's data.source is the model directory's prompts.jsonl
+    style = "answer_line"  # the answer style the reward's bonus pays for unless grpo.style says another
+
+    def prepare(self, cfg, out: Path) -> tuple[Path, Path]:
+        from draftadapt.config import load_config
+        from draftadapt.pretrain import PretrainConfig, pretrain
+        from draftadapt.rl.config import demo_pretrain_overrides
+
+        if cfg.method != "eagle3":
+            raise ModelSourceError(f"world=smollm2 runs method=eagle3 (SmolLM2 has no MTP layers), not {cfg.method}")
+        target = Path(cfg.target) if cfg.target else Path(out) / "model"
+        build(target)
+        draft = Path(cfg.draft) if cfg.draft else Path(out) / "draft0"
+        if not (draft / "draftadapt.json").is_file():
+            print(f"[demo] pretraining the Eagle-3 head into {draft} (once)", flush=True)
+            recipe = cfg.pretrain_recipe or PRETRAIN_RECIPE
+            pretrain(load_config(PretrainConfig, recipe, [f"target={target}", f"out={draft}", *self.fresh_overrides(target),
+                                                          *demo_pretrain_overrides(cfg, PRETRAIN_RECIPE)]))
+        return target, draft
+
+    def sample_problems(self, target: Path, n: int, seed: int) -> list[dict]:
+        held = {p["question"] for p in task.load_problems(Path(target) / HELDOUT)}
+        tok = self._tok(target)
+        rng = random.Random(seed)
+        out: list[dict] = []
+        while len(out) < n:
+            p = task.make_problem(rng)
+            if p["question"] not in held:
+                p["prompt"] = task.render(tok, p["question"])
+                out.append(p)
+        return out
+
+    def _tok(self, target: Path):
+        if getattr(self, "_tok_dir", None) != Path(target):
+            self._tokenizer, self._tok_dir = tokenizer(Path(target)), Path(target)
+        return self._tokenizer
+
+    def heldout_prompts(self, target: Path, n: int) -> list[str]:
+        return [p["prompt"] for p in task.load_problems(Path(target) / HELDOUT)[:n]]
+
+    def score(self, problem: dict, text: str, cfg) -> tuple[float, float, bool]:
+        correct = task.reward(problem, text)
+        styled = task.style_of(text) == (cfg.style or self.style)
+        return correct + (cfg.style_bonus if styled else 0.0), correct, styled
+
+    def fresh_overrides(self, target: Path) -> list[str]:
+        return [f"data.source={Path(target) / PROMPTS}"]
+
+    def save_policy(self, policy, target: Path, path: Path) -> None:
+        """The policy (float32, as it trains) with the tokenizer, chat template and task files."""
+        policy.save_pretrained(str(path), safe_serialization=True)
+        copy_model_files(target, path, (HELDOUT, PROMPTS))
