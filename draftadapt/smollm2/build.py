@@ -76,7 +76,7 @@ def check_greedy(model_dir: Path, prompts: list[str], max_tokens: int = CHECK_TO
             "sample": tok.decode(got.rollouts[0].token_ids)}
 
 
-def build(out: str | Path, dtype: str = "bfloat16") -> dict:
+def build(out: str | Path, dtype: str = "float32") -> dict:
     """The model directory, complete: converted, the task's files written, checked in vLLM."""
     out = Path(out)
     if (out / DONE).is_file():
@@ -89,7 +89,7 @@ def build(out: str | Path, dtype: str = "bfloat16") -> dict:
     return finish(out, info)
 
 
-def build_cli(out: str, dtype: str = "bfloat16") -> int:
+def build_cli(out: str, dtype: str = "float32") -> int:
     info = build(out, dtype)
     print(json.dumps({k: v for k, v in info.items() if k != "source"}))
     return 0

@@ -69,9 +69,12 @@ def check_gguf(path: Path) -> dict:
     return facts
 
 
-def convert(out: str | Path, dtype: str = "bfloat16", gguf: str | Path | None = None) -> dict:
+def convert(out: str | Path, dtype: str = "float32", gguf: str | Path | None = None) -> dict:
     """Write the HF model directory into ``out`` (reused when it is complete). ``dtype``: the
-    safetensors' dtype; bf16 by default (docs/design.md, "A real model")."""
+    safetensors' dtype, which vLLM serves it in. float32 by default: on this machine's CPU (AMD
+    EPYC with avx512_bf16) vLLM decoded it 1.56x faster in float32 than in bf16 (22.9 against 14.7
+    tokens/s, 32 chat prompts x 64 tokens at T=1, one run of each; docs/design.md, "A real model"),
+    and the trainer's policy is float32 anyway: the weights it pushes need no cast."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -92,7 +95,7 @@ def convert(out: str | Path, dtype: str = "bfloat16", gguf: str | Path | None = 
         if hasattr(holder, "quantization_config"):
             delattr(holder, "quantization_config")
     model.config.architectures = [ARCH]
-    model.config.torch_dtype = dtype
+    model.config.dtype = dtype
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     model.config.pad_token_id = tok.pad_token_id

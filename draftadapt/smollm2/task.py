@@ -7,9 +7,10 @@
 
 A problem is one or two operations (add, take away, share, groups of) on small numbers, told
 about a named person and objects. The correctness term reads the last number in the response.
-The style term (``style_of``) pays for answers that end with a line "Answer: N", a form
-SmolLM2-135M-Instruct seldom writes unasked (docs/design.md, "A real model"): RL moves the policy
-onto it, and off the text its pretrained draft learned from, as the toy's "verbose" bonus does.
+Every prompt asks for a last line "Answer: N"; the style term (``style_of``) pays for it. The
+4-bit SmolLM2-135M-Instruct seldom complies at temperature 1 (about 1 reply in 20: it rambles),
+so RL moves the policy onto it, and off the text its pretrained draft learned from, as the toy's
+"verbose" bonus does (docs/design.md, "A real model").
 
 Pure and deterministic given a seed: ``sample_problems(n, seed)`` returns the same list anywhere
 (the chat template comes from the model's tokenizer; ``render`` applies it).
@@ -26,7 +27,10 @@ NAMES = ("Mia", "Noah", "Ava", "Liam", "Zoe", "Omar", "Lena", "Ravi", "Sara", "T
 THINGS = ("apples", "marbles", "stickers", "books", "coins", "pencils", "cookies", "shells", "cards", "stamps")
 STYLES = ("plain", "answer_line")
 _NUMBER_RE = re.compile(r"-?\d+(?:,\d{3})*")
-_ANSWER_LINE_RE = re.compile(r"(?:^|\n)\s*Answer:\s*(-?\d+)\s*\.?\s*$")
+# the answer line: the reply's last line ends "answer: N" or "answer is N" (any case, a period
+# allowed); measured at T=1 on 48 problems, SmolLM2-135M-Instruct ends so in 2 (asked to, in
+# every prompt), and 4 of 48 at T=0.7
+_ANSWER_LINE_RE = re.compile(r"answer(?::| is:?)\s*(-?\d+)\s*\.?\s*$", re.IGNORECASE)
 
 
 def _one_step(rng: random.Random, name: str, thing: str, have: int) -> tuple[str, int]:
@@ -52,7 +56,7 @@ def make_problem(rng: random.Random) -> dict:
     have = rng.randint(3, 40)
     parts = [f"{name} has {have} {thing}."]
     total = have
-    for _ in range(rng.choice((1, 1, 2))):
+    for _ in range(rng.choice((1, 1, 1, 2))):
         sentence, total = _one_step(rng, name, thing, total)
         parts.append(sentence)
         if sentence.endswith("?"):
@@ -72,9 +76,15 @@ def sample_problems(n: int, seed: int, tokenizer=None) -> list[dict]:
     return problems
 
 
+# The format instruction every prompt carries: the answer-line style the bonus pays for is asked
+# for, and a 135M model follows it only now and then; RL makes it the rule.
+INSTRUCTION = "Solve it, then end with a line 'Answer: N'."
+
+
 def render(tokenizer, question: str) -> str:
-    """The question as the model's chat template frames a user turn, the assistant's turn open."""
-    return tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+    """The question and the format instruction as the model's chat template frames a user turn,
+    the assistant's turn open."""
+    return tokenizer.apply_chat_template([{"role": "user", "content": f"{question} {INSTRUCTION}"}], tokenize=False,
                                          add_generation_prompt=True)
 
 
@@ -90,8 +100,9 @@ def reward(problem: dict, completion: str) -> float:
 
 
 def style_of(completion: str) -> str:
-    """"answer_line" when the completion ends with a line "Answer: N", else "plain"."""
-    return "answer_line" if _ANSWER_LINE_RE.search(completion.strip()) else "plain"
+    """"answer_line" when the completion's last line ends with "Answer: N" (or "the answer is N"), else "plain"."""
+    last = completion.strip().rsplit("\n", 1)[-1]
+    return "answer_line" if _ANSWER_LINE_RE.search(last) else "plain"
 
 
 def write_problems(path: str | Path, problems: list[dict]) -> None:

@@ -47,8 +47,10 @@ def test_reward_reads_the_last_number_and_the_style_the_answer_line():
     assert task.reward({"answer": "1200"}, "That is 1,200 coins.") == 1.0
     assert task.style_of("3 + 4 = 7.\nAnswer: 7") == "answer_line"
     assert task.style_of("3 + 4 = 7.\nAnswer: 7.\n") == "answer_line"
+    assert task.style_of("So 3 + 4 = 7. Therefore, the answer is 7.") == "answer_line"
     assert task.style_of("The answer: 7 apples") == "plain"
     assert task.style_of("Answer: 7 and more words") == "plain"
+    assert task.style_of("Answer: 7\nThen more text") == "plain"
 
 
 class _Template:
@@ -59,7 +61,7 @@ class _Template:
 
 def test_prompts_go_through_the_chat_template():
     p = task.sample_problems(2, seed=0, tokenizer=_Template())[0]
-    assert p["prompt"] == f"<user>{p['question']}</user><assistant>"
+    assert p["prompt"] == f"<user>{p['question']} {task.INSTRUCTION}</user><assistant>"
 
 
 def test_a_missing_package_or_a_wrong_file_is_refused_in_one_line(tmp_path):
