@@ -253,6 +253,11 @@ class RolloutEngine:
                 speculative_config=spec,
                 max_model_len=max_model_len,
                 max_num_seqs=max_num_seqs,
+                # every waiting prompt prefilled whole: vLLM 0.32 rewinds a seeded request's
+                # generator when its prefill is split over two steps, and a CPU generator has no
+                # offset ("RuntimeError: CPU Generator does not use offset": 64 chat prompts of
+                # ~70 tokens passed the default 4096-token step)
+                max_num_batched_tokens=max(4096, max_num_seqs * max_model_len),
                 seed=seed,
                 dtype=self.dtype,
                 logprobs_mode=logprobs_mode,

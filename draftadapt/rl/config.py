@@ -218,6 +218,9 @@ class DemoConfig:
                               "initial_draft=pretrain, or method=mtp on an MTP toy")
         if self.engines < 1:
             raise ConfigError(f"engines={self.engines}: give the number of rollout engines (>= 1)")
+        if self.world == "smollm2" and self.method != "eagle3":
+            raise ConfigError(f"method={self.method}: world=smollm2 serves an Eagle-3 head (SmolLM2 has no MTP "
+                              "layers); drop method=, or use world=toy")
         if self.engines > 1:
             clash = {"async_lag": self.async_lag > 0, "adapter_background": self.adapter_background,
                      "k_policy=online": self.k_policy == "online", "spec=false": not self.spec}

@@ -12,10 +12,10 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+from draftadapt.drafts.formats import META_FILE
 from draftadapt.rl.world import copy_model_files
 from draftadapt.smollm2 import task
 from draftadapt.smollm2.build import HELDOUT, PROMPTS, build, tokenizer
-from draftadapt.smollm2.convert import ModelSourceError
 
 PRETRAIN_RECIPE = Path(__file__).with_name("pretrain_eagle3.yaml")
 
@@ -33,12 +33,10 @@ class SmolLM2:
         from draftadapt.pretrain import PretrainConfig, pretrain
         from draftadapt.rl.config import demo_pretrain_overrides
 
-        if cfg.method != "eagle3":
-            raise ModelSourceError(f"world=smollm2 runs method=eagle3 (SmolLM2 has no MTP layers), not {cfg.method}")
         target = Path(cfg.target) if cfg.target else Path(out) / "model"
         build(target)
         draft = Path(cfg.draft) if cfg.draft else Path(out) / "draft0"
-        if not (draft / "draftadapt.json").is_file():
+        if not (draft / META_FILE).is_file():
             print(f"[demo] pretraining the Eagle-3 head into {draft} (once)", flush=True)
             recipe = cfg.pretrain_recipe or PRETRAIN_RECIPE
             pretrain(load_config(PretrainConfig, recipe, [f"target={target}", f"out={draft}", *self.fresh_overrides(target),

@@ -16,6 +16,7 @@ from pathlib import Path
 from draftadapt.config import ConfigError, load_config
 from draftadapt.drafts.spec import spec_for
 from draftadapt.pretrain import PretrainConfig, ToyWorld, pretrain
+from draftadapt.drafts.formats import META_FILE
 from draftadapt.rl.world import copy_model_files
 from draftadapt.toy import PRETRAIN_RECIPE, task
 
@@ -58,7 +59,7 @@ def prepare_toy_world(out: str | Path, toy: str | Path | None, draft: str | Path
         kind = {"arch": "qwen2", "mtp": 1} if in_target else {}
         print(json.dumps(build(str(toy), seed=seed, **kind)), flush=True)
     draft = Path(draft) if draft else out / "draft0"
-    if (draft / "draftadapt.json").is_file():
+    if (draft / META_FILE).is_file():
         return toy, draft  # given, or made by an earlier run into out
     if own_draft:
         print(f"[{tag}] the target's own {method} layers as the draft, into {draft}", flush=True)

@@ -211,3 +211,19 @@ def test_an_adapter_made_directly_runs_eagle3_at_k3_and_t1():
 def test_the_schedules_fractions_are_checked_naming_the_key(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config(AdapterConfig, None, [override])
+
+
+def test_demo_world_sets_the_runs_sizes_and_refuses_what_it_cannot_serve():
+    """world=smollm2 starts from its own GRPO and eval sizes (a key given still wins); an MTP
+    method on it is refused naming the fix."""
+    from draftadapt.rl.config import DemoConfig, GRPOConfig
+
+    toy, smol = load_config(DemoConfig, None, []), load_config(DemoConfig, None, ["world=smollm2"])
+    assert toy.grpo == GRPOConfig() and toy.pretrain_prompts == 768
+    assert (smol.grpo.prompts_per_step, smol.grpo.max_tokens, smol.grpo.lr, smol.eval.max_tokens) == (16, 128, 2e-5, 128)
+    assert smol.pretrain_prompts == 0  # the SmolLM2 recipe's own
+    assert load_config(DemoConfig, None, ["world=smollm2", "grpo.lr=1e-5"]).grpo.max_tokens == 128
+    with pytest.raises(ConfigError, match=r"method=mtp: world=smollm2 serves an Eagle-3 head"):
+        load_config(DemoConfig, None, ["world=smollm2", "method=mtp"])
+    with pytest.raises(ConfigError, match=r"world"):
+        load_config(DemoConfig, None, ["world=llama"])
