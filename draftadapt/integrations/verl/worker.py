@@ -68,9 +68,9 @@ class VerlDraftWorkerExtension(vLLMColocateWorkerExtension, DraftAdaptWorkerExte
         live = getattr(self, "_da_live", None)
         out = {"intact": True}
         if live is not None and self.da_draft_state()["checksum"] != live[0]:
-            from draftadapt.drafts.formats import WEIGHTS_FILE
+            from draftadapt.drafts.formats import META_FILE, WEIGHTS_FILE
 
-            meta = json.loads((Path(live[1]) / "draftadapt.json").read_text())
+            meta = json.loads((Path(live[1]) / META_FILE).read_text())
             self.da_load_draft(str(Path(live[1]) / WEIGHTS_FILE), meta.get("sha256"), meta.get("version"))
             out = {"intact": False, "repaired": True}
         self._da_status(status, out)
