@@ -36,6 +36,7 @@ from draftadapt.drafts.formats import (
 from draftadapt.drafts.mtp import PREFIX as MTP_PREFIX
 from draftadapt.drafts.spec import check_serves, spec_for
 from draftadapt.engine.cpu_fix import guard_llvmlite_lib
+from draftadapt.engine.worker_ext import WorkerCall
 from draftadapt.metrics.acceptance import AcceptanceStats
 
 WORKER_EXT = "draftadapt.engine.worker_ext.DraftAdaptWorkerExtension"
@@ -288,7 +289,7 @@ class RolloutEngine:
         self.policy_version = 0
         if speculate:
             # Record what serves now so the first swap has a checksum to compare against.
-            state = self._rpc("da_draft_state")
+            state = self._rpc(WorkerCall.DRAFT_STATE)
             self._live_checksum = state["checksum"]
         else:
             self._live_checksum = None
@@ -388,7 +389,7 @@ class RolloutEngine:
         """{"checksum", "version"} of the draft that serves now, read back from the worker.
         ``full``: a checksum of every element rather than the sampled fingerprint (see
         ``worker_ext.module_checksum``); the two are not comparable with each other."""
-        return self._rpc("da_draft_state", full)
+        return self._rpc(WorkerCall.DRAFT_STATE, full)
 
     def _validate_draft_file(self, draft_dir: Path, rollback: bool) -> tuple[Path, str, int | None, dict]:
         """Everything about a published draft that can be checked without loading it; raises
@@ -462,7 +463,7 @@ class RolloutEngine:
         t0 = time.perf_counter()
         weights, sha, version, meta = self._validate_draft_file(Path(draft_dir), rollback)
         try:
-            state = self._rpc("da_load_draft", str(weights), sha, version)
+            state = self._rpc(WorkerCall.LOAD_DRAFT, str(weights), sha, version)
         except Exception as exc:
             raise DraftSwapError(f"the engine refused {weights}: {exc}; the previous draft keeps serving") from None
         self.llm.reset_prefix_cache()
@@ -490,12 +491,12 @@ class RolloutEngine:
         """
         t0 = time.perf_counter()
         if isinstance(weights, dict) and self.in_process:
-            result = self._rpc("da_load_policy", {k: v.detach() for k, v in weights.items()}, checks)
+            result = self._rpc(WorkerCall.LOAD_POLICY, {k: v.detach() for k, v in weights.items()}, checks)
         elif isinstance(weights, dict):
             with policy_file(weights) as path:
-                result = self._rpc("da_load_policy", str(path), checks)
+                result = self._rpc(WorkerCall.LOAD_POLICY, str(path), checks)
         else:
-            result = self._rpc("da_load_policy", str(weights), checks)
+            result = self._rpc(WorkerCall.LOAD_POLICY, str(weights), checks)
         self.llm.reset_prefix_cache()
         if version is not None:
             self.policy_version = version
@@ -505,7 +506,7 @@ class RolloutEngine:
         return result
 
     def policy_checksum(self, full: bool = False) -> str:
-        return self._rpc("da_policy_checksum", full)
+        return self._rpc(WorkerCall.POLICY_CHECKSUM, full)
 
     @property
     def live_checksum(self) -> str | None:

