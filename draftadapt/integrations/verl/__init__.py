@@ -13,10 +13,9 @@
 This package imports no verl; its modules do (verl imports them in its own processes).
 """
 
-# the environment variable naming the file where replica 0's first worker writes each policy it
-# receives during verl's weight sync, read by the adapter's own policy copy (one node or a shared
-# filesystem)
-POLICY_TAP = "DRAFTADAPT_VERL_POLICY_TAP"
+# the worker extension verl's rollout servers run with draftadapt attached
+# (``actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls``)
+WORKER_EXTENSION = "draftadapt.integrations.verl.worker.VerlDraftWorkerExtension"
 
 
 class VerlWorkerCall:
@@ -24,5 +23,6 @@ class VerlWorkerCall:
     ``collective_rpc``, each spelled here once (defined on
     :class:`~draftadapt.integrations.verl.worker.VerlDraftWorkerExtension`)."""
 
+    TAP_POLICY = "da_verl_tap_policy"  # where to write each policy verl's sync brings
     SWAP = "da_verl_swap"  # the store's newest draft for the policy version, swapped in
     INTEGRITY = "da_verl_integrity"  # is the live draft the one last swapped in

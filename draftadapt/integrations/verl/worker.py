@@ -24,7 +24,6 @@ import torch
 from verl.workers.rollout.vllm_rollout.utils import vLLMColocateWorkerExtension
 
 from draftadapt.engine.worker_ext import DraftAdaptWorkerExtension
-from draftadapt.integrations.verl import POLICY_TAP
 
 
 class VerlDraftWorkerExtension(vLLMColocateWorkerExtension, DraftAdaptWorkerExtension):
@@ -80,11 +79,18 @@ class VerlDraftWorkerExtension(vLLMColocateWorkerExtension, DraftAdaptWorkerExte
     def _da_status(self, path: str, out: dict) -> None:
         from draftadapt.fileio import atomic_write_json
 
-        out["replica"] = int(os.environ.get("VERL_REPLICA_RANK", "0"))
+        out["replica"] = _replica()
         if self.rank == 0:
             atomic_write_json(path.format(replica=out["replica"]), out)
 
     # ------------------------------------------------------------------ verl's policy sync
+
+    def da_verl_tap_policy(self, path: str, status: str) -> None:
+        """From now on write each policy verl's sync brings to ``path`` (safetensors), for the
+        adapter's policy copy: replica 0's first worker only, so the file has one writer."""
+        self._da_tap = path if self.rank == 0 and _replica() == 0 else None
+        self._da_status(status, {"tap": self._da_tap})
+
     def update_weights_from_ipc(self, peft_config: dict = None, base_sync_done=False, use_shm: bool = False):
         if peft_config or self._is_qat_model or self._is_modelopt_qat:
             return super().update_weights_from_ipc(peft_config, base_sync_done, use_shm)
@@ -99,8 +105,8 @@ class VerlDraftWorkerExtension(vLLMColocateWorkerExtension, DraftAdaptWorkerExte
         self._da_tap_policy(weights)
 
     def _da_tap_policy(self, weights: dict[str, torch.Tensor]) -> None:
-        tap = os.environ.get(POLICY_TAP)
-        if not tap or self.rank != 0 or os.environ.get("VERL_REPLICA_RANK", "0") != "0":
+        tap = getattr(self, "_da_tap", None)  # set by da_verl_tap_policy on one worker
+        if tap is None:
             return
         from safetensors.torch import save_file
 
@@ -108,3 +114,8 @@ class VerlDraftWorkerExtension(vLLMColocateWorkerExtension, DraftAdaptWorkerExte
 
         with atomic_path(tap) as tmp:
             save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp))
+
+
+def _replica() -> int:
+    """This worker's replica: verl's server sets ``VERL_REPLICA_RANK`` before it starts vLLM."""
+    return int(os.environ.get("VERL_REPLICA_RANK", "0"))
