@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from draftadapt.drafts.formats import DraftFormatError
+from draftadapt.drafts.formats import META_FILE, DraftFormatError
 from draftadapt.train.methods import method_for
 
 
@@ -25,7 +25,7 @@ def init_cli(target: str, method: str, out: str, fmt: str, seed: int, source: st
     except DraftFormatError as exc:
         print(f"error: {exc}")
         return 2
-    meta = json.loads((path / "draftadapt.json").read_text())
+    meta = json.loads((path / META_FILE).read_text())
     print(json.dumps({"out": str(path), "method": meta["method"], "format": meta["format"],
                       "sha256": meta["sha256"]}))
     return 0

@@ -252,153 +252,258 @@ def _prune_checkpoints(ckpt_dir: Path, keep: int) -> None:
 # ---------------------------------------------------------------------------------------------- recipe
 
 def pretrain(cfg: PretrainConfig, toy: ToyWorld | None = None) -> dict:
-    """``toy``: the toy world, for ``data.source=toy`` and ``build_toy`` (see :class:`ToyWorld`)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Set up, train, score and save (module docstring). ``toy``: the toy world, for
+    ``data.source=toy`` and ``build_toy`` (see :class:`ToyWorld`)."""
+    t_start = time.perf_counter()
+    run = _set_up(cfg, toy)  # target, data (the target's own responses), draft, trainer
+    stats = _train(run)
+    return _score_and_save(run, stats, t_start)
 
-    from draftadapt.capture.store import CaptureStore
-    from draftadapt.data.sequences import batch_order, collate, epoch_plan, load_sequences
+
+@dataclass
+class _Run:
+    """One pretraining run as set up: what the training loop and the export read."""
+
+    cfg: PretrainConfig
+    accelerator: Any
+    target: Path
+    train_seqs: list
+    held_seqs: list
+    pad_id: int
+    method: Any  # train.methods: builds, captures for and exports this draft method
+    capture: Any  # the target's forward for the draft (aux states, target distributions)
+    trainer: Any  # DraftTrainer
+    order: list[list[int]]  # batches of train_seqs indices
+    total: int  # optimizer steps planned
+    start_epoch: int
+    start_batch: int
+    logger: Any
+    store: Any  # CaptureStore of captured batches, or None (cache_capture=false)
+
+    @property
+    def out(self) -> Path:
+        return Path(self.cfg.out)
+
+    @property
+    def run_dir(self) -> Path:
+        return self.out / RUN_DIR
+
+    @property
+    def is_main(self) -> bool:
+        return self.accelerator.is_main_process
+
+    def captured(self, name: str, seqs):
+        from draftadapt.data.sequences import collate
+
+        make = lambda: self.capture.capture(collate(seqs, self.pad_id))  # noqa: E731
+        return self.store.get(name, make) if self.store is not None else make()
+
+    def heldout_batches(self):
+        bs, rank, world = self.cfg.train.batch_size, self.accelerator.process_index, self.accelerator.num_processes
+        mine = self.held_seqs[rank::world]
+        return (self.captured(f"heldout_r{rank}_{i}", mine[i : i + bs]) for i in range(0, len(mine), bs))
+
+    def checkpoint(self, epoch: int, batch: int) -> None:
+        ckpt_dir = self.run_dir / "checkpoints"
+        self.trainer.save_checkpoint(ckpt_dir / f"step_{self.trainer.step}", {"epoch": epoch, "batch": batch})
+        if self.is_main:
+            _prune_checkpoints(ckpt_dir, self.cfg.keep_checkpoints)
+
+
+@dataclass
+class _TrainStats:
+    first_step: int  # the trainer's step when this invocation began (a resumed run's is > 0)
+    stopped_early: bool = False  # max_minutes ran out
+    train_seconds: float = 0.0
+    # The optimizer steps apart from the capture (the target's forward, or a cached shard's read):
+    # what a trainer that reads precomputed states spends per step (scripts/bench_vs_speculators.py).
+    capture_s: float = 0.0
+    step_s: float = 0.0
+
+
+def _set_up(cfg: PretrainConfig, toy: ToyWorld | None) -> _Run:
+    """The target and its own responses, the draft, its trainer (resumed from the last
+    checkpoint, if any), the logger and the capture cache."""
+    from transformers import AutoTokenizer
+
+    from draftadapt.data.sequences import batch_order
     from draftadapt.metrics.logger import make_logger
     from draftadapt.train.methods import method_for
-    from draftadapt.train.trainer import DraftTrainer, acceptance_metrics, make_accelerator
+    from draftadapt.train.trainer import DraftTrainer, make_accelerator
 
-    t_start = time.perf_counter()
-    out = Path(cfg.out)
-    run = out / RUN_DIR
-    data_dir, ckpt_dir = run / "data", run / "checkpoints"
+    run_dir = Path(cfg.out) / RUN_DIR
     accelerator = make_accelerator(cfg.train)
-    is_main, rank, world = accelerator.is_main_process, accelerator.process_index, accelerator.num_processes
-
-    # -- set up: target, data (the target's own responses), draft, trainer
-    target = _ensure_target(cfg, is_main, toy)
-    if is_main:
-        run.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, run / "config.yaml")
-        _regenerate_data(cfg, target, data_dir, toy)
-    accelerator.wait_for_everyone()
-    torch.set_num_threads(cfg.threads)  # vLLM lowered it for serving; the engine is gone now
-    train_seqs = load_sequences(data_dir / "train.jsonl")
-    held_seqs = load_sequences(data_dir / "heldout.jsonl")
+    target, train_seqs, held_seqs = _target_and_data(cfg, accelerator, run_dir, toy)
     tok = AutoTokenizer.from_pretrained(str(target))
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
-    target_model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
-    for p in target_model.parameters():
-        p.requires_grad_(False)
+    target_model = _frozen_target(target)
     method = method_for(cfg.method)
     draft = method.build(target, target_model, cfg.draft, train_seqs)
     capture = method.target_capture(target_model, draft, cfg.generate.temperature)
 
     order = batch_order([len(s) for s in train_seqs], cfg.train.batch_size, cfg.train.seed)
-    per_epoch = len(order) // world
+    per_epoch = len(order) // accelerator.num_processes
     total = cfg.max_steps if cfg.max_steps > 0 else per_epoch * cfg.epochs
     trainer = DraftTrainer(draft, method, cfg.train, total_steps=total, accelerator=accelerator, pad_id=pad_id)
-    start_epoch, start_batch = 0, 0
+    start_epoch, start_batch = _resume(trainer, run_dir / "checkpoints", accelerator.is_main_process)
+    logger = make_logger(cfg.log, run_dir, enabled=accelerator.is_main_process)
+    return _Run(cfg, accelerator, target, train_seqs, held_seqs, pad_id, method, capture, trainer, order, total,
+                start_epoch, start_batch, logger, _capture_store(cfg, capture, run_dir))
+
+
+def _target_and_data(cfg: PretrainConfig, accelerator, run_dir: Path, toy: ToyWorld | None) -> tuple[Path, list, list]:
+    """The target (the toy built first, with ``build_toy``) and its own responses to the training
+    and held-out prompts: rank 0 regenerates them once (reused on resume) while the others wait."""
+    from draftadapt.data.sequences import load_sequences
+
+    target = _ensure_target(cfg, accelerator.is_main_process, toy)
+    data_dir = run_dir / "data"
+    if accelerator.is_main_process:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, run_dir / "config.yaml")
+        _regenerate_data(cfg, target, data_dir, toy)
+    accelerator.wait_for_everyone()
+    torch.set_num_threads(cfg.threads)  # vLLM lowered it for serving; the engine is gone now
+    return target, load_sequences(data_dir / "train.jsonl"), load_sequences(data_dir / "heldout.jsonl")
+
+
+def _frozen_target(target: Path):
+    """The target in float32, in eval mode, with no gradients: captured from, never trained."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
+def _resume(trainer, ckpt_dir: Path, is_main: bool) -> tuple[int, int]:
+    """The (epoch, batch) to go on from: the last complete checkpoint's, loaded; (0, 0) without one."""
     latest = _latest_checkpoint(ckpt_dir) if ckpt_dir.is_dir() else None
-    if latest is not None:
-        state = trainer.load_checkpoint(latest)
-        start_epoch, start_batch = state["epoch"], state["batch"]
-        if is_main:
-            print(f"resuming from {latest} (step {trainer.step})", file=sys.stderr)
-    logger = make_logger(cfg.log, run, enabled=is_main)
+    if latest is None:
+        return 0, 0
+    state = trainer.load_checkpoint(latest)
+    if is_main:
+        print(f"resuming from {latest} (step {trainer.step})", file=sys.stderr)
+    return state["epoch"], state["batch"]
+
+
+def _capture_store(cfg: PretrainConfig, capture, run_dir: Path):
+    """The cache of captured batches (``cache_capture``), or None."""
+    if not cfg.cache_capture:
+        return None
+    from draftadapt.capture.store import CaptureStore
 
     # Captures depend on what is captured: a changed recipe gets fresh shards, not stale ones.
     vocab_ids = capture.draft_to_target  # None: the whole vocabulary
     what = [capture.aux_layer_ids or None, None if vocab_ids is None else vocab_ids.tolist(), cfg.generate.temperature,
             cfg.train.batch_size, cfg.train.seed, cfg.capture_dtype]
-    store = None
-    if cfg.cache_capture:
-        digest = hashlib.sha256(json.dumps(what).encode()).hexdigest()[:12]
-        store = CaptureStore(run / "capture" / digest, getattr(torch, cfg.capture_dtype))
+    digest = hashlib.sha256(json.dumps(what).encode()).hexdigest()[:12]
+    return CaptureStore(run_dir / "capture" / digest, getattr(torch, cfg.capture_dtype))
 
-    def captured(name: str, seqs):
-        make = lambda: capture.capture(collate(seqs, pad_id))  # noqa: E731
-        return store.get(name, make) if store is not None else make()
 
-    def heldout_batches():
-        bs = cfg.train.batch_size
-        mine = held_seqs[rank::world]
-        return (captured(f"heldout_r{rank}_{i}", mine[i : i + bs]) for i in range(0, len(mine), bs))
+def _train(run: _Run) -> _TrainStats:
+    """Epochs of optimizer steps until ``total`` (or ``max_minutes``), from where the run resumed;
+    a checkpoint at the end."""
+    from draftadapt.data.sequences import epoch_plan
 
-    def checkpoint(epoch: int, batch: int) -> None:
-        trainer.save_checkpoint(ckpt_dir / f"step_{trainer.step}", {"epoch": epoch, "batch": batch})
-        if is_main:
-            _prune_checkpoints(ckpt_dir, cfg.keep_checkpoints)
-
-    # -- train
-    bar = progress(total=total, initial=trainer.step, desc=f"pretrain {cfg.method}", unit="step",
-                   disable=not is_main)
+    cfg, trainer = run.cfg, run.trainer
+    rank, world = run.accelerator.process_index, run.accelerator.num_processes
+    bar = progress(total=run.total, initial=trainer.step, desc=f"pretrain {cfg.method}", unit="step",
+                   disable=not run.is_main)
     t_train = time.perf_counter()
-    stopped_early = False
-    epoch, batch_idx = start_epoch, start_batch
-    window: dict[str, float] = {}
-    # The optimizer steps apart from the capture (the target's forward, or a cached shard's read):
-    # what a trainer that reads precomputed states spends per step (scripts/bench_vs_speculators.py).
-    capture_s = step_s = 0.0
-    first_step = trainer.step
-    for epoch in range(start_epoch, max(cfg.epochs, start_epoch + 1) if cfg.max_steps <= 0 else 10**9):
-        batch_idx = start_batch if epoch == start_epoch else 0
-        for b in epoch_plan(len(order), cfg.train.seed, epoch, batch_idx, rank, world):
-            if trainer.step >= total:
+    stats = _TrainStats(first_step=trainer.step)
+    epoch, batch_idx = run.start_epoch, run.start_batch
+    window: dict[str, float] = {}  # metric sums since the last log line
+    for epoch in range(run.start_epoch, max(cfg.epochs, run.start_epoch + 1) if cfg.max_steps <= 0 else 10**9):
+        batch_idx = run.start_batch if epoch == run.start_epoch else 0
+        for b in epoch_plan(len(run.order), cfg.train.seed, epoch, batch_idx, rank, world):
+            if trainer.step >= run.total:
                 break
-            t0 = time.perf_counter()
-            batch = captured(f"train_{b}", [train_seqs[i] for i in order[b]])
-            t1 = time.perf_counter()
-            m = trainer.train_step(batch)
-            capture_s, step_s = capture_s + t1 - t0, step_s + time.perf_counter() - t1
+            m = _train_step(run, b, stats)
             batch_idx += 1
-            for name, v in m.items():
-                window[name] = window.get(name, 0.0) + v
-            window["_n"] = window.get("_n", 0.0) + 1
             bar.update()
             bar.set_postfix(loss=f"{m['train/loss']:.3f}", acc0=f"{m.get('train/acc_pos_0', 0):.2f}",
                             sim=f"{m['accept/simulated_length']:.2f}")
-            if trainer.step % cfg.log_every == 0:
-                cnt = window.pop("_n")
-                logger.log_dict({name: v / cnt for name, v in window.items()}, trainer.step)
-                window = {}
-            if cfg.eval_every and trainer.step % cfg.eval_every == 0:
-                visited, _ = trainer.score(heldout_batches(), cfg.k)
-                logger.log_dict(acceptance_metrics(visited, "heldout"), trainer.step)
-            if cfg.checkpoint_every and trainer.step % cfg.checkpoint_every == 0:
-                checkpoint(epoch, batch_idx)
+            _log_score_checkpoint(run, m, window, epoch, batch_idx)
             if cfg.max_minutes and time.perf_counter() - t_train > cfg.max_minutes * 60:
-                stopped_early = True
+                stats.stopped_early = True
                 break
-        if stopped_early or trainer.step >= total:
+        if stats.stopped_early or trainer.step >= run.total:
             break
     bar.close()
-    train_seconds = time.perf_counter() - t_train
-    checkpoint(epoch, batch_idx)
+    stats.train_seconds = time.perf_counter() - t_train
+    run.checkpoint(epoch, batch_idx)
+    return stats
 
-    # -- score and save
-    visited, uniform = trainer.score(heldout_batches(), cfg.k)
+
+def _train_step(run: _Run, b: int, stats: _TrainStats) -> dict[str, float]:
+    """One optimizer step on batch ``b`` of ``run.order``; the capture and the step timed apart."""
+    t0 = time.perf_counter()
+    batch = run.captured(f"train_{b}", [run.train_seqs[i] for i in run.order[b]])
+    t1 = time.perf_counter()
+    m = run.trainer.train_step(batch)
+    stats.capture_s, stats.step_s = stats.capture_s + t1 - t0, stats.step_s + time.perf_counter() - t1
+    return m
+
+
+def _log_score_checkpoint(run: _Run, m: dict[str, float], window: dict[str, float], epoch: int,
+                          batch_idx: int) -> None:
+    """After a step: the step's metrics into ``window``, logged as means every ``log_every``
+    steps; held-out acceptance every ``eval_every``; a checkpoint every ``checkpoint_every``."""
+    from draftadapt.train.trainer import acceptance_metrics
+
+    cfg, step = run.cfg, run.trainer.step
+    for name, v in m.items():
+        window[name] = window.get(name, 0.0) + v
+    window["_n"] = window.get("_n", 0.0) + 1
+    if step % cfg.log_every == 0:
+        cnt = window.pop("_n")
+        run.logger.log_dict({name: v / cnt for name, v in window.items()}, step)
+        window.clear()
+    if cfg.eval_every and step % cfg.eval_every == 0:
+        visited, _ = run.trainer.score(run.heldout_batches(), cfg.k)
+        run.logger.log_dict(acceptance_metrics(visited, "heldout"), step)
+    if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+        run.checkpoint(epoch, batch_idx)
+
+
+def _score_and_save(run: _Run, stats: _TrainStats, t_start: float) -> dict:
+    """Held-out acceptance of the trained draft, the draft exported to ``out`` (vLLM loads it
+    there), the capture cache removed unless kept; returns the run's summary."""
+    from draftadapt.train.trainer import acceptance_metrics
+
+    cfg, trainer = run.cfg, run.trainer
+    visited, uniform = trainer.score(run.heldout_batches(), cfg.k)
     final = {**acceptance_metrics(visited, "heldout"), "heldout/simulated_length_all_starts": uniform.length}
-    logger.log_dict(final, trainer.step)
-    logger.close()
+    run.logger.log_dict(final, trainer.step)
+    run.logger.close()
     summary = {
-        "out": str(out),
+        "out": str(run.out),
         "method": cfg.method,
         "steps": trainer.step,
         "epochs_planned": cfg.epochs,
-        "stopped_early": stopped_early,
-        "train_sequences": len(train_seqs),
+        "stopped_early": stats.stopped_early,
+        "train_sequences": len(run.train_seqs),
         "acceptance_length_simulated": round(visited.length, 4),
         "acceptance_length_simulated_all_starts": round(uniform.length, 4),
         "per_position_acceptance": [round(x, 4) for x in visited.per_position],
         "k": cfg.k,
-        "train_seconds": round(train_seconds, 1),
-        "capture_seconds": round(capture_s, 1),
-        "seconds_per_step": round(step_s / max(trainer.step - first_step, 1), 4),
+        "train_seconds": round(stats.train_seconds, 1),
+        "capture_seconds": round(stats.capture_s, 1),
+        "seconds_per_step": round(stats.step_s / max(trainer.step - stats.first_step, 1), 4),
     }
     draft_out = trainer.export_draft()  # every rank: ZeRO-3 gathers the partitions
-    if is_main:
+    if run.is_main:
         meta = {"version": 0, "policy_version": 0,
                 "pretrain": {k: summary[k] for k in ("steps", "acceptance_length_simulated", "per_position_acceptance")}}
-        method.export(draft_out, out, target, fmt=cfg.draft.format, num_speculative_tokens=cfg.k, meta=meta)
-        if store is not None and not cfg.keep_capture:
-            shutil.rmtree(run / "capture", ignore_errors=True)
+        run.method.export(draft_out, run.out, run.target, fmt=cfg.draft.format, num_speculative_tokens=cfg.k,
+                          meta=meta)
+        if run.store is not None and not cfg.keep_capture:
+            shutil.rmtree(run.run_dir / "capture", ignore_errors=True)
         summary["seconds"] = round(time.perf_counter() - t_start, 1)
-        (run / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    accelerator.wait_for_everyone()
+        (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    run.accelerator.wait_for_everyone()
     summary["seconds"] = round(time.perf_counter() - t_start, 1)
     return summary
 

@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from draftadapt.integrations.verl import POLICY_TAP
+from draftadapt.integrations.verl import WORKER_EXTENSION
 from draftadapt.toy import PRETRAIN_RECIPE, task
 from draftadapt.rl.config import pretrain_overrides, toy_adapter
 
@@ -159,8 +159,7 @@ def verl_overrides(cfg: VerlToyConfig, paths: dict[str, Path], out: Path, arm: P
         f"+actor_rollout_ref.rollout.engine_kwargs.vllm.speculative_config='{spec}'",
         # vLLM's per-request counters (verl reads them from each request's metrics)
         "+actor_rollout_ref.rollout.engine_kwargs.vllm.per_request_spec_decode_metrics=summary",
-        "+actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls="
-        "draftadapt.integrations.verl.worker.VerlDraftWorkerExtension",
+        f"+actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls={WORKER_EXTENSION}",
         "actor_rollout_ref.actor.strategy=fsdp2", f"actor_rollout_ref.actor.optim.lr={cfg.lr}",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={cfg.prompts_per_step}",
         f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={batch}",
@@ -236,8 +235,6 @@ def run_arm(cfg: VerlToyConfig, paths: dict[str, Path], out: Path, name: str) ->
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *verl_overrides(cfg, paths, out, arm)]
     env = verl_env(cfg)
     env["VERL_FILE_LOGGER_PATH"] = str(arm / "metrics.jsonl")
-    if cfg.adapt:  # the adapter's copy reads it; a frozen arm has no adapter, so no file per sync
-        env[POLICY_TAP] = str(arm / "policy_tap.safetensors")
     (arm / "metrics.jsonl").unlink(missing_ok=True)
     print(f"[verl] {name}: python -m verl.trainer.main_ppo ... (log: {arm / 'verl.log'})", flush=True)
     t0 = time.perf_counter()

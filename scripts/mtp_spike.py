@@ -265,6 +265,7 @@ def serve(model: Path, method: str | None, k: int, n: int, max_tokens: int, resu
     from vllm.inputs import TokensPrompt
 
     from draftadapt.engine.rollout import _attach_spec_counter
+    from draftadapt.engine.worker_ext import WorkerCall
 
     spec = None if method is None else {"method": method, "num_speculative_tokens": k}
     t0 = time.time()
@@ -287,8 +288,8 @@ def serve(model: Path, method: str | None, k: int, n: int, max_tokens: int, resu
         "accepted_per_pos": list(s.accepted_per_pos),
     }
     if swap is not None:
-        before = llm.collective_rpc("da_draft_state")[0]
-        st = llm.collective_rpc("da_load_draft", args=(str(swap), None, 1))[0]
+        before = llm.collective_rpc(WorkerCall.DRAFT_STATE)[0]
+        st = llm.collective_rpc(WorkerCall.LOAD_DRAFT, args=(str(swap), None, 1))[0]
         print(f"[serve] swapped {swap.name} into the drafter in {st['worker_ms']:.1f} ms: checksum "
               f"{before['checksum']} -> {st['checksum']}, shared with target {st['shared']}", flush=True)
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in ps], sp, use_tqdm=False)

@@ -36,6 +36,7 @@ from draftadapt.drafts.formats import (
 from draftadapt.drafts.mtp import PREFIX as MTP_PREFIX
 from draftadapt.drafts.spec import check_serves, spec_for
 from draftadapt.engine.cpu_fix import guard_llvmlite_lib
+from draftadapt.engine.worker_ext import WorkerCall
 from draftadapt.metrics.acceptance import AcceptanceStats
 
 WORKER_EXT = "draftadapt.engine.worker_ext.DraftAdaptWorkerExtension"
@@ -144,6 +145,38 @@ def _on_cpu() -> bool:
     return current_platform.is_cpu()
 
 
+def _startup_env(in_process: bool, kv_cache_gib: int, threads: int | None) -> dict[str, str]:
+    """What vLLM reads while an engine starts. Set only then (its processes and the in-process
+    worker read them at start-up), and put back: the host process's environment is not ours
+    (docs/design.md, "TRL integration")."""
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0" if in_process else "1"}
+    # The CPU backend reserves ~92% of RAM for the first engine unless told (docs/design.md,
+    # "Starting engines"); a value the caller set wins.
+    env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gib)))  # GiB
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+    return env
+
+
+def _host_rng_state() -> tuple:
+    """The global python, numpy and torch RNG states (:func:`_restore_host_rng` puts them back)."""
+    import random
+
+    import numpy as np
+
+    return random.getstate(), np.random.get_state(), torch.get_rng_state()
+
+
+def _restore_host_rng(state: tuple) -> None:
+    import random
+
+    import numpy as np
+
+    random.setstate(state[0])
+    np.random.set_state(state[1])
+    torch.set_rng_state(state[2])
+
+
 class RolloutEngine:
     """A vLLM ``LLM`` serving ``target`` with an optional draft, plus in-place weight updates."""
 
@@ -183,12 +216,30 @@ class RolloutEngine:
         (:meth:`set_k_schedule`, docs/design.md "Online k"). None: k at every batch size."""
         # vLLM's import and start-up seed and draw from the global python, numpy and torch RNGs:
         # the host's streams continue as if no engine had started (requests use their own seeds).
-        import random
-
-        import numpy as np
-
-        rng_before = (random.getstate(), np.random.get_state(), torch.get_rng_state())
+        rng_before = _host_rng_state()
         self.target = Path(target)
+        spec_method, speculate, spec = self._plan_speculation(draft, method, num_speculative_tokens,
+                                                              max_model_len, k_schedule)
+        meta = self._check_target_and_draft(draft, spec_method, speculate, dtype)
+        self._start(spec, in_process, kv_cache_gib, threads, max_model_len=max_model_len,
+                    max_num_seqs=max_num_seqs, seed=seed, logprobs_mode=logprobs_mode,
+                    # every waiting prompt prefilled whole: vLLM 0.32 rewinds a seeded request's
+                    # generator when its prefill is split over two steps, and a CPU generator has
+                    # no offset ("RuntimeError: CPU Generator does not use offset": 64 chat prompts
+                    # of ~70 tokens passed the default 4096-token step)
+                    max_num_batched_tokens=max(4096, max_num_seqs * max_model_len),
+                    enforce_eager=enforce_eager, **({} if block_size is None else {"block_size": block_size}))
+        self.max_num_seqs = max_num_seqs
+        self._record_what_serves(meta, speculate)
+        if speculate and spec_method.in_target and draft is not None:
+            # vLLM started the drafter with the target's own MTP layers: the draft dir's go in now
+            self.swap_draft(draft)
+        _restore_host_rng(rng_before)
+
+    def _plan_speculation(self, draft, method, k, max_model_len, k_schedule):
+        """What drafts: sets ``method``, ``k`` and the k schedule; returns the method's serving
+        facts (None: no draft model), whether a draft model speculates, and vLLM's
+        ``speculative_config`` (None: plain decoding)."""
         # A method whose draft is part of the target (MTP) speculates without a draft directory,
         # and so do the model-free drafters (the proposer reads the prompt and output so far);
         # method=None serves plainly whatever the target carries.
@@ -198,9 +249,21 @@ class RolloutEngine:
         spec_method = None if method is None or model_free else spec_for(method)
         speculate = draft is not None or (spec_method is not None and spec_method.in_target)
         self.method = method if speculate or model_free else None
-        self.k = num_speculative_tokens if speculate or model_free else 0
-        # Checks that vLLM would otherwise fail on late and cryptically (or not at all); the
-        # target's identity is what every swapped-in draft is held against.
+        self.k = k if speculate or model_free else 0
+        spec = None
+        if speculate:
+            spec = spec_method.speculative_config(draft, k, max_model_len)
+        elif model_free:
+            spec = {"method": method, "num_speculative_tokens": k, **MODEL_FREE_METHODS[method]}
+        if spec is not None and k_schedule is not None:
+            spec["num_speculative_tokens_per_batch_size"] = [tuple(int(v) for v in r) for r in k_schedule]
+        self._k_schedule = [tuple(int(v) for v in r) for r in k_schedule] if spec is not None and k_schedule else None
+        return spec_method, speculate, spec
+
+    def _check_target_and_draft(self, draft, spec_method, speculate: bool, dtype) -> dict[str, Any]:
+        """Checks that vLLM would otherwise fail on late and cryptically (or not at all); the
+        target's identity is what every swapped-in draft is held against. Sets the serving dtype
+        and the tensor shapes a swap must match; returns the draft's manifest ({} without one)."""
         self._target_fp = target_fingerprint(self.target)
         self.dtype = model_dtype(self.target) if dtype is None else dtype_name(dtype)
         self._draft_ref_shapes: dict[str, tuple[int, ...]] | None = None
@@ -214,18 +277,15 @@ class RolloutEngine:
         elif speculate:  # the target's own MTP layers serve; a swap must match their tensors
             self._draft_ref_shapes = {k: v for k, v in _weight_shapes(self.target / WEIGHTS_FILE).items()
                                       if k.startswith(MTP_PREFIX)}
+        return meta
 
+    def _start(self, spec: dict | None, in_process: bool | None, kv_cache_gib: int, threads: int | None,
+               **llm_args) -> None:
+        """vLLM's ``LLM`` on the target; the host's environment, torch thread count and
+        ``torch.set_num_threads`` as they were (the thread count: ``threads`` in process)."""
         if in_process is None:
             in_process = _on_cpu()
-        # Set only while the engine starts (its processes and the in-process worker read them
-        # then), and put back: the host process's environment is not ours (docs/design.md, "TRL
-        # integration").
-        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0" if in_process else "1"}
-        # The CPU backend reserves ~92% of RAM for the first engine unless told (docs/design.md,
-        # "Starting engines"); a value the caller set wins.
-        env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gib)))  # GiB
-        if threads is not None:
-            env["OMP_NUM_THREADS"] = str(threads)
+        env = _startup_env(in_process, kv_cache_gib, threads)
         saved = dict(os.environ)  # vLLM's in-process start-up sets more of its own; all are put back
         threads_before = torch.get_num_threads()
         # vLLM's CPU worker replaces torch.set_num_threads, process-wide, with a no-op that warns
@@ -238,35 +298,12 @@ class RolloutEngine:
         # vLLM caches its environment variables once an engine core has started (in this process,
         # for an in-process engine): let each engine read them anew.
         envs.disable_envs_cache()
-        spec = None
-        if speculate:
-            spec = spec_method.speculative_config(draft, num_speculative_tokens, max_model_len)
-        elif model_free:
-            spec = {"method": method, "num_speculative_tokens": num_speculative_tokens, **MODEL_FREE_METHODS[method]}
-        if spec is not None and k_schedule is not None:
-            spec["num_speculative_tokens_per_batch_size"] = [tuple(int(v) for v in r) for r in k_schedule]
         guard_llvmlite_lib()
         t0 = time.perf_counter()
         try:
-            self.llm = LLM(
-                model=str(self.target),
-                speculative_config=spec,
-                max_model_len=max_model_len,
-                max_num_seqs=max_num_seqs,
-                # every waiting prompt prefilled whole: vLLM 0.32 rewinds a seeded request's
-                # generator when its prefill is split over two steps, and a CPU generator has no
-                # offset ("RuntimeError: CPU Generator does not use offset": 64 chat prompts of
-                # ~70 tokens passed the default 4096-token step)
-                max_num_batched_tokens=max(4096, max_num_seqs * max_model_len),
-                seed=seed,
-                dtype=self.dtype,
-                logprobs_mode=logprobs_mode,
-                enforce_eager=enforce_eager,
-                disable_log_stats=False,
-                worker_extension_cls=WORKER_EXT,
-                distributed_executor_backend="uni" if in_process else "mp",
-                **({} if block_size is None else {"block_size": block_size}),
-            )
+            self.llm = LLM(model=str(self.target), speculative_config=spec, dtype=self.dtype,
+                           disable_log_stats=False, worker_extension_cls=WORKER_EXT,
+                           distributed_executor_backend="uni" if in_process else "mp", **llm_args)
         finally:
             torch.set_num_threads = set_num_threads
             for k in set(os.environ) - set(saved):
@@ -277,11 +314,12 @@ class RolloutEngine:
         # in-process engine, else what they were before.
         torch.set_num_threads(threads if in_process and threads is not None else threads_before)
         self.in_process = in_process
-        self.max_num_seqs = max_num_seqs
-        self._k_schedule = [tuple(int(v) for v in r) for r in k_schedule] if spec is not None and k_schedule else None
         if in_process:
             _LIVE_IN_PROCESS.add(self)
         self.startup_s = time.perf_counter() - t0
+
+    def _record_what_serves(self, meta: dict[str, Any], speculate: bool) -> None:
+        """The engine's counters, tokenizer, and the draft and policy versions it starts with."""
         self._spec_counter = _attach_spec_counter(self.llm)
         self.tokenizer = self.llm.get_tokenizer()
         self._draft_version = meta.get("version")
@@ -293,16 +331,10 @@ class RolloutEngine:
         self.policy_version = 0
         if speculate:
             # Record what serves now so the first swap has a checksum to compare against.
-            state = self._rpc("da_draft_state")
+            state = self._rpc(WorkerCall.DRAFT_STATE)
             self._live_checksum = state["checksum"]
         else:
             self._live_checksum = None
-        if speculate and spec_method.in_target and draft is not None:
-            # vLLM started the drafter with the target's own MTP layers: the draft dir's go in now
-            self.swap_draft(draft)
-        random.setstate(rng_before[0])
-        np.random.set_state(rng_before[1])
-        torch.set_rng_state(rng_before[2])
 
     # ------------------------------------------------------------------ generation
 
@@ -393,7 +425,7 @@ class RolloutEngine:
         """{"checksum", "version"} of the draft that serves now, read back from the worker.
         ``full``: a checksum of every element rather than the sampled fingerprint (see
         ``worker_ext.module_checksum``); the two are not comparable with each other."""
-        return self._rpc("da_draft_state", full)
+        return self._rpc(WorkerCall.DRAFT_STATE, full)
 
     def _validate_draft_file(self, draft_dir: Path, rollback: bool) -> tuple[Path, str, int | None, dict]:
         """Everything about a published draft that can be checked without loading it; raises
@@ -467,7 +499,7 @@ class RolloutEngine:
         t0 = time.perf_counter()
         weights, sha, version, meta = self._validate_draft_file(Path(draft_dir), rollback)
         try:
-            state = self._rpc("da_load_draft", str(weights), sha, version)
+            state = self._rpc(WorkerCall.LOAD_DRAFT, str(weights), sha, version)
         except Exception as exc:
             raise DraftSwapError(f"the engine refused {weights}: {exc}; the previous draft keeps serving") from None
         self.llm.reset_prefix_cache()
@@ -495,12 +527,12 @@ class RolloutEngine:
         """
         t0 = time.perf_counter()
         if isinstance(weights, dict) and self.in_process:
-            result = self._rpc("da_load_policy", {k: v.detach() for k, v in weights.items()}, checks)
+            result = self._rpc(WorkerCall.LOAD_POLICY, {k: v.detach() for k, v in weights.items()}, checks)
         elif isinstance(weights, dict):
             with policy_file(weights) as path:
-                result = self._rpc("da_load_policy", str(path), checks)
+                result = self._rpc(WorkerCall.LOAD_POLICY, str(path), checks)
         else:
-            result = self._rpc("da_load_policy", str(weights), checks)
+            result = self._rpc(WorkerCall.LOAD_POLICY, str(weights), checks)
         self.llm.reset_prefix_cache()
         if version is not None:
             self.policy_version = version
@@ -510,7 +542,7 @@ class RolloutEngine:
         return result
 
     def policy_checksum(self, full: bool = False) -> str:
-        return self._rpc("da_policy_checksum", full)
+        return self._rpc(WorkerCall.POLICY_CHECKSUM, full)
 
     @property
     def live_checksum(self) -> str | None:

@@ -149,6 +149,16 @@ def quiet_expected_unloaded(classes: set[str]):
         logger.removeFilter(f)
 
 
+class WorkerCall:
+    """The extension's methods the engine calls by name through vLLM's ``collective_rpc``, each
+    spelled here once (defined on :class:`DraftAdaptWorkerExtension` below)."""
+
+    DRAFT_STATE = "da_draft_state"  # the live draft's checksum, version and shared modules
+    LOAD_DRAFT = "da_load_draft"  # a published draft file into the running drafter
+    LOAD_POLICY = "da_load_policy"  # new policy weights, in place
+    POLICY_CHECKSUM = "da_policy_checksum"  # a fingerprint of the served policy
+
+
 class DraftAdaptWorkerExtension:
     """In-place weight updates for the draft and the policy, and read-back of what serves."""
 

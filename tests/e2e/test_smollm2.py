@@ -54,7 +54,7 @@ def test_two_rl_steps_adapt_and_swap_the_head(smollm2_demo):
     last = json.loads(stdout.strip().splitlines()[-1])
     assert (last["world"], last["steps"]) == ("smollm2", 2)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 1]
+    assert [r["step"] for r in rows] == [1, 2]  # logged at the policy version each step made
     published = [r for r in rows if r.get("adapt/published", 0.0) > 0]
     assert published, rows  # a round's candidate beat the untrained head and went live in the engine
     assert rows[-1]["draft/version"] >= 1.0

@@ -1,6 +1,9 @@
-"""The engine's reload log filter: only the modules a swap leaves out on purpose go quiet (no vLLM here)."""
+"""The engine's reload log filter: only the modules a swap leaves out on purpose go quiet, and the
+worker calls named once are the extensions' methods (no vLLM, no verl here)."""
 
+import ast
 import logging
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -8,9 +11,14 @@ from torch import nn
 from draftadapt.engine.worker_ext import (
     RELOAD_FAILED_MSG,
     RELOAD_LOGGER,
+    DraftAdaptWorkerExtension,
+    WorkerCall,
     expected_unloaded,
     quiet_expected_unloaded,
 )
+from draftadapt.integrations.verl import VerlWorkerCall
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 class RotaryEmbedding(nn.Module):  # vLLM's: a computed cos/sin buffer, no weights
@@ -61,3 +69,22 @@ def test_only_the_expected_warnings_are_dropped_and_only_inside_the_block(caplog
         "RotaryEmbedding: Failed to load weights",
     ]
     assert not log.filters
+
+
+def _calls(namespace) -> dict[str, str]:
+    return {k: v for k, v in vars(namespace).items() if k.isupper()}
+
+
+def test_each_engine_worker_call_names_a_method_of_the_extension():
+    calls = _calls(WorkerCall)
+    assert calls and len(set(calls.values())) == len(calls)
+    assert all(callable(getattr(DraftAdaptWorkerExtension, name, None)) for name in calls.values()), calls
+
+
+def test_each_verl_worker_call_names_a_method_of_verls_extension():
+    # read from the source: importing the extension imports verl and vLLM (verl's processes do)
+    tree = ast.parse((REPO / "draftadapt/integrations/verl/worker.py").read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "VerlDraftWorkerExtension")
+    methods = {n.name for n in cls.body if isinstance(n, ast.FunctionDef)}
+    calls = _calls(VerlWorkerCall)
+    assert calls and set(calls.values()) <= methods, (calls, methods)

@@ -1,4 +1,4 @@
-"""draftadapt attached to verl 0.9.1 (docs/design.md, "verl").
+"""draftadapt attached to verl 0.9.1 (docs/design.md, "verl on CPU").
 
 - :mod:`draftadapt.integrations.verl.cpu`: a ``cpu`` platform for verl's platform registry (the
   ``verl.plugins`` entry point), so verl's trainer, FSDP actor and vLLM rollout run on a machine
@@ -13,7 +13,16 @@
 This package imports no verl; its modules do (verl imports them in its own processes).
 """
 
-# the environment variable naming the file where replica 0's first worker writes each policy it
-# receives during verl's weight sync, read by the adapter's own policy copy (one node or a shared
-# filesystem)
-POLICY_TAP = "DRAFTADAPT_VERL_POLICY_TAP"
+# the worker extension verl's rollout servers run with draftadapt attached
+# (``actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls``)
+WORKER_EXTENSION = "draftadapt.integrations.verl.worker.VerlDraftWorkerExtension"
+
+
+class VerlWorkerCall:
+    """The worker methods the trainer calls by name through each rollout server's
+    ``collective_rpc``, each spelled here once (defined on
+    :class:`~draftadapt.integrations.verl.worker.VerlDraftWorkerExtension`)."""
+
+    TAP_POLICY = "da_verl_tap_policy"  # where to write each policy verl's sync brings
+    SWAP = "da_verl_swap"  # the store's newest draft for the policy version, swapped in
+    INTEGRITY = "da_verl_integrity"  # is the live draft the one last swapped in

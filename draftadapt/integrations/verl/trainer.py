@@ -20,17 +20,18 @@ given as ``engine_kwargs.vllm.speculative_config``), ``+draftadapt.out=DIR`` (th
 draft store), ``+draftadapt.adapter=YAML`` (an AdapterConfig; optional), ``+draftadapt.adapt=false``
 (the frozen draft: nothing trained, for comparison runs), ``+draftadapt.threads=N`` (torch threads
 for the adapter's round: verl's trainer process is a Ray actor of one CPU, so Ray gives it
-``OMP_NUM_THREADS=1``; the round runs while verl's other workers wait).
+``OMP_NUM_THREADS=1``; the round runs while verl's other workers wait); and verl's rollout started
+with draftadapt's worker extension (``+actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls=``
+:data:`~draftadapt.integrations.verl.WORKER_EXTENSION`), which the swaps and the policy tap run in.
 
 The adapter's copy of the policy reads each new policy from the file replica 0's worker writes
-during verl's weight sync (``DRAFTADAPT_VERL_POLICY_TAP``, set here): one node, or a shared
-filesystem (docs/design.md, "verl").
+during verl's weight sync (``OUT/policy_tap.safetensors``, named to the workers at ``init``): one
+node, or a shared filesystem (docs/design.md, "Where draftadapt attaches").
 """
 
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,9 +45,13 @@ from draftadapt.integrations.verl import cpu as _cpu  # registers the cpu platfo
 from verl.trainer.ppo.v1.trainer_base import register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
-from draftadapt.integrations.verl import POLICY_TAP
+from draftadapt.integrations.verl import WORKER_EXTENSION, VerlWorkerCall
 
 _cpu.bridge_spec_stats()  # vLLM 0.32's per-request counters where verl 0.9.1 reads them
+
+# inside +draftadapt.out: replica 0's first worker writes each policy verl's sync brings there
+# (safetensors), the adapter's policy copy reads it
+POLICY_TAP_FILE = "policy_tap.safetensors"
 
 
 @dataclass
@@ -88,12 +93,16 @@ class VerlEngines:
     def update_policy(self, weights: Any, version: int) -> None:
         self.policy_version = version  # loaded by verl's own weight sync before the boundary
 
+    def tap_policy(self, path: Path) -> None:
+        """From now on, replica 0's first worker writes each policy verl's sync brings to ``path``."""
+        self._call(VerlWorkerCall.TAP_POLICY, str(path))
+
     def check_integrity(self, adapter) -> bool:
-        results = self._call("da_verl_integrity")
+        results = self._call(VerlWorkerCall.INTEGRITY)
         return all(r["intact"] for r in results)
 
     def swap(self, adapter) -> list:
-        results = self._call("da_verl_swap", str(adapter.store.out_dir), self.policy_version)
+        results = self._call(VerlWorkerCall.SWAP, str(adapter.store.out_dir), self.policy_version)
         self.refused.extend(r["refused"] for r in results if "refused" in r)
         return [VerlSwap(r["replica"], r["version"], r.get("checksum", ""), r["ms"]) for r in results if r["swapped"]]
 
@@ -103,15 +112,12 @@ class DraftAdaptPPOTrainer(PPOTrainerSync):
     """verl's PPOTrainerSync with draftadapt's step boundary (module docstring)."""
 
     def init(self):
-        super().init()
         from draftadapt.adapter import AdapterConfig, DraftAdapter
         from draftadapt.boundary import StepBoundary
-        from draftadapt.config import ConfigError, load_config, pass_down
+        from draftadapt.config import load_config, pass_down
 
-        da = self.config.get("draftadapt") or {}
-        if not da.get("draft") or not da.get("out"):
-            raise ConfigError("trainer.v1.trainer_mode=draftadapt needs +draftadapt.draft=DIR (the draft vLLM "
-                              "serves) and +draftadapt.out=DIR (where the adapter publishes drafts)")
+        da = self._da_settings()  # before verl starts its workers: a missing setting fails in seconds
+        super().init()
         self._da_out = Path(da["out"])
         self._da_out.mkdir(parents=True, exist_ok=True)
         mtp = self.config.actor_rollout_ref.model.mtp
@@ -128,9 +134,30 @@ class DraftAdaptPPOTrainer(PPOTrainerSync):
             torch.set_num_threads(int(da["threads"]))
         adapter = DraftAdapter(policy, da["draft"], self._da_out / "drafts", cfg) if self._da_adapt else None
         self._da_engines = VerlEngines(self.checkpoint_manager.replicas, self._da_out / "status")
+        self._da_tap = self._da_out / POLICY_TAP_FILE
+        if self._da_adapt:  # a frozen draft needs no policy copy, so no file per sync
+            self._da_tap.unlink(missing_ok=True)  # an earlier run's policy is not this step's
+            self._da_engines.tap_policy(self._da_tap)
         self._da_boundary = StepBoundary(adapter, self._da_engines)
         self._da_rollouts: list | None = None
         self._da_metrics: dict[str, float] = {}
+
+    def _da_settings(self) -> dict:
+        """``+draftadapt.*`` from verl's config, checked: the draft, the store, and (the draft
+        adapted) the worker extension the swaps and the policy tap run in."""
+        from omegaconf import OmegaConf
+
+        from draftadapt.config import ConfigError
+
+        da = self.config.get("draftadapt") or {}
+        if not da.get("draft") or not da.get("out"):
+            raise ConfigError("trainer.v1.trainer_mode=draftadapt needs +draftadapt.draft=DIR (the draft vLLM "
+                              "serves) and +draftadapt.out=DIR (where the adapter publishes drafts)")
+        key = "actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls"
+        if da.get("adapt", True) and not OmegaConf.select(self.config, key):
+            raise ConfigError(f"trainer.v1.trainer_mode=draftadapt swaps drafts through its vLLM worker extension, "
+                              f"which verl's rollout does not load by default: pass +{key}={WORKER_EXTENSION}")
+        return da
 
     def _update_actor(self, batch, metrics: dict):
         if self._da_adapt:
@@ -154,8 +181,12 @@ class DraftAdaptPPOTrainer(PPOTrainerSync):
             return
         t0 = time.perf_counter()
         version = self.global_steps
+        if not self._da_tap.is_file():
+            raise RuntimeError(f"{self._da_tap}: no policy written there by verl's weight sync, which the "
+                               f"adapter's policy copy reads; {WORKER_EXTENSION} writes it on replica 0 when it "
+                               "receives the actor's full weights (not with LoRA or QAT, which keep verl's own sync)")
         res = self._da_boundary.after_update(self._da_rollouts, sampled_version=version - 1,
-                                             weights=os.environ[POLICY_TAP], version=version)
+                                             weights=str(self._da_tap), version=version)
         self._da_rollouts = None
         m = {f"draftadapt/{k}": float(v) for k, v in res.metrics.items()}
         m["draftadapt/adapter_s"] = res.adapter_s

