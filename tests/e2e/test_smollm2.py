@@ -96,7 +96,7 @@ def test_lossless_on_the_real_model(smollm2_model, smollm2_demo):
         assert [r.token_ids for r in spec.generate(prompts, temperature=0.0, max_tokens=32).rollouts] == want
     finally:
         spec.close()
-    assert sampled.spec.num_drafts > 0
+    assert sampled.spec.drafts > 0
     spec_tokens = [r.token_ids for r in sampled.rollouts]
     for pos in (1, 2, 3):  # positions 2-4
         a = Counter(t[pos] for t in base if len(t) > pos)
