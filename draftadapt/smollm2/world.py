@@ -44,8 +44,7 @@ class SmolLM2:
         return target, draft
 
     def sample_problems(self, target: Path, n: int, seed: int) -> list[dict]:
-        held = {p["question"] for p in task.load_problems(Path(target) / HELDOUT)}
-        tok = self._tok(target)
+        tok, held = self._target_facts(target)
         rng = random.Random(seed)
         out: list[dict] = []
         while len(out) < n:
@@ -55,10 +54,12 @@ class SmolLM2:
                 out.append(p)
         return out
 
-    def _tok(self, target: Path):
-        if getattr(self, "_tok_dir", None) != Path(target):
-            self._tokenizer, self._tok_dir = tokenizer(Path(target)), Path(target)
-        return self._tokenizer
+    def _target_facts(self, target: Path):
+        """(tokenizer, held-out questions) of ``target``, read once per target, not every RL step."""
+        if getattr(self, "_facts_of", None) != Path(target):
+            held = {p["question"] for p in task.load_problems(Path(target) / HELDOUT)}
+            self._facts, self._facts_of = (tokenizer(Path(target)), held), Path(target)
+        return self._facts
 
     def heldout_prompts(self, target: Path, n: int) -> list[str]:
         return [p["prompt"] for p in task.load_problems(Path(target) / HELDOUT)[:n]]
