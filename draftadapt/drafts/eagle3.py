@@ -229,9 +229,13 @@ class Eagle3Head(nn.Module):
             aux = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks)], dim=-1)
         return self.fc(aux)
 
+    def lm_input(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [B, T, H] pre-norm output -> what lm_head reads [B, T, H]."""
+        return self.norm(x)
+
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """x: [B, T, H] pre-norm output -> [B, T, Vd] draft-vocab logits."""
-        return self.lm_head(self.norm(x))
+        return self.lm_head(self.lm_input(x))
 
     def carried(self, x: torch.Tensor) -> torch.Tensor:
         """x: [B, T, H] pre-norm output -> the hidden state the next speculative step reads [B, T, H]."""
@@ -266,21 +270,22 @@ class Eagle3Head(nn.Module):
 
     def unroll(
         self, input_ids: torch.Tensor, aux: torch.Tensor, steps: int, feed_ids=None,
-        slots: torch.Tensor | None = None, segments: torch.Tensor | None = None,
+        slots: torch.Tensor | None = None, segments: torch.Tensor | None = None, features: bool = False,
     ) -> list[torch.Tensor]:
         """Training-time test; see :func:`ttt_unroll`."""
-        return ttt_unroll(self, input_ids, aux, steps, feed_ids, slots, segments)
+        return ttt_unroll(self, input_ids, aux, steps, feed_ids, slots, segments, features)
 
 
 def ttt_unroll(
     head, input_ids: torch.Tensor, aux: torch.Tensor, steps: int, feed_ids=None,
-    slots: torch.Tensor | None = None, segments: torch.Tensor | None = None,
+    slots: torch.Tensor | None = None, segments: torch.Tensor | None = None, features: bool = False,
 ) -> list[torch.Tensor]:
     """Training-time test (EAGLE-3 section 3.2): run ``steps`` speculative steps of ``head`` in parallel.
 
     ``head``: an :class:`Eagle3Head` or an MTP head (drafts/mtp.py); both have the same step
     structure: ``combine`` the target features, ``layers[0]``'s ``attn_input``, attention and
-    ``finish``, ``logits``, ``carried`` (what the next step reads), ``d2t`` and ``embed_inputs``.
+    ``finish``, ``lm_input`` and ``lm_head`` (``logits``), ``carried`` (what the next step reads),
+    ``d2t`` and ``embed_inputs``.
 
     Step 0 is a causal pass from the target's hidden states. At step j the query for original
     position t stands for position t + j: it attends to step-0 keys at positions <= t and to
@@ -296,6 +301,9 @@ def ttt_unroll(
     ``segments``: [B, T] sequence ids of a packed batch (``CapturedBatch.packed``): a query sees
     only keys of its own sequence. RoPE scores depend on the distance between positions only, so
     a sequence placed further along a row attends as it would at the start of its own.
+    ``features``: return per step what lm_head reads ([B, T or M, H]) instead of the logits, for a
+    loss that applies lm_head itself in chunks (``train.losses.ttt_loss_chunked``): no
+    [tokens, Vd] tensor is kept for backward here.
     """
     b, t = input_ids.shape
     dev = input_ids.device
@@ -331,15 +339,20 @@ def ttt_unroll(
         keys.append(k)
         values.append(v)
         x = layer.finish(layer.self_attn.attend(q, torch.cat(keys, 2), torch.cat(values, 2), masks[j]), residual)
-        logits = head.logits(x)
-        out.append(logits)
+        feat = head.lm_input(x)
+        logits = None if features else head.lm_head(feat)
+        out.append(feat if features else logits)
         if j + 1 < steps:
             # Shift: the step-(j+1) query at t consumes the token predicted for t + j + 2.
             if feed_ids is not None:
                 nxt = feed_ids(j, logits)  # by position
                 nxt = nxt if slots is None else gather(nxt)
             else:
-                top = logits.argmax(-1)
+                if logits is None:
+                    with torch.no_grad():  # the argmax only: nothing of it is kept for backward
+                        top = head.lm_head(feat.detach()).argmax(-1)
+                else:
+                    top = logits.argmax(-1)
                 nxt = top + head.d2t[top]
                 nxt = nxt if slots is None or j > 0 else gather(nxt)
             ids = nxt.detach()

@@ -175,16 +175,20 @@ class MTPHead(nn.Module):
     def combine(self, aux: torch.Tensor) -> torch.Tensor:
         return aux  # the one pre-norm hidden state, as it is
 
+    def lm_input(self, x: torch.Tensor) -> torch.Tensor:
+        return x  # final_layernorm's output already
+
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(x)  # x is final_layernorm's output already
+        return self.lm_head(self.lm_input(x))
 
     def carried(self, x: torch.Tensor) -> torch.Tensor:
         return x  # the next MTP step reads this step's output as it is
 
     def unroll(self, input_ids: torch.Tensor, aux: torch.Tensor, steps: int, feed_ids=None,
-               slots: torch.Tensor | None = None, segments: torch.Tensor | None = None) -> list[torch.Tensor]:
+               slots: torch.Tensor | None = None, segments: torch.Tensor | None = None,
+               features: bool = False) -> list[torch.Tensor]:
         """Layer 0 run ``steps`` draft steps deep, as vLLM chains it (see ``eagle3.ttt_unroll``)."""
-        return ttt_unroll(self, input_ids, aux, steps, feed_ids, slots, segments)
+        return ttt_unroll(self, input_ids, aux, steps, feed_ids, slots, segments, features)
 
     # ------------------------------------------------------------------ checkpoint names
 

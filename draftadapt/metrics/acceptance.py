@@ -255,9 +255,22 @@ def simulate_acceptance(
                      for cheap per-step training metrics)
     returns (stats over the starts vLLM visits or None, stats over every start in the responses)
     """
-    k = len(step_logits)
-    d2t = draft_to_target.to(input_ids.device)
     draft = torch.stack([lg.argmax(-1) for lg in step_logits], dim=-1)  # [B, T, k] draft ids
+    return simulate_acceptance_ids(draft, draft_to_target, target_logp, input_ids, loss_mask, visit)
+
+
+def simulate_acceptance_ids(
+    draft: torch.Tensor,
+    draft_to_target: torch.Tensor,
+    target_logp: torch.Tensor,
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    visit: bool = True,
+) -> tuple[AcceptanceStats | None, AcceptanceStats]:
+    """:func:`simulate_acceptance` from the greedy proposals themselves: draft [B, T, k] draft ids
+    (only those where token t + i + 2 is a response token are read)."""
+    k = draft.shape[-1]
+    d2t = draft_to_target.to(input_ids.device)
     accept_p = torch.stack(
         [greedy_accept_prob(shift_left(target_logp, i + 1, 0.0), draft[..., i]) for i in range(k)], dim=-1
     )  # [B, T, k]

@@ -43,17 +43,18 @@ class Eagle3TTT(nn.Module):
         self.pad_id = pad_id
 
     def forward(self, input_ids: torch.Tensor, aux: torch.Tensor, steps: int | None = None,
-                slots: torch.Tensor | None = None, segments: torch.Tensor | None = None) -> list[torch.Tensor]:
+                slots: torch.Tensor | None = None, segments: torch.Tensor | None = None,
+                features: bool = False) -> list[torch.Tensor]:
         """input_ids: [B, T] sequence tokens; aux: [B, T, n*H] -> ``steps`` x [B, T, Vd] (steps >= 1
         at ``slots`` [B, M] only when given: [B, M, Vd]; ``segments``: a packed batch's sequence
-        ids; see ``Eagle3Head.unroll``)."""
+        ids; ``features``: lm_head's input [.., H] instead of the logits; see ``Eagle3Head.unroll``)."""
         ids = shift_left(input_ids, 1, self.pad_id)  # slot t consumes token t + 1
         feed = None
         if self.feed == "data":
             def feed(j, _logits):  # ids fed at step j + 1: token t + j + 2
                 return shift_left(input_ids, j + 2, self.pad_id)
         return self.head.unroll(ids, aux.to(self.head.feature_dtype), steps or self.steps, feed_ids=feed, slots=slots,
-                                segments=segments)
+                                segments=segments, features=features)
 
 
 class DraftLMForward(nn.Module):

@@ -108,6 +108,19 @@ def ttt_targets(target_logp: torch.Tensor, loss_mask: torch.Tensor, step: int) -
     return shift_left(target_logp, step + 1, 0.0), shift_left(loss_mask, step + 1, False)
 
 
+def step_mask(loss_mask: torch.Tensor, step: int, slots: torch.Tensor | None = None,
+              slot_ok: torch.Tensor | None = None, segments: torch.Tensor | None = None) -> torch.Tensor:
+    """The slots whose TTT step ``step`` has a target: [B, T] (``slots`` [B, M] for steps >= 1:
+    [B, M]). The target of slot t at step i is token t + i + 2: inside the response, and inside the
+    slot's own sequence when the batch is packed (``segments``)."""
+    mask = shift_left(loss_mask, step + 1, False)
+    if segments is not None:
+        mask = mask & same_segment(segments, step + 1)
+    if slots is not None and step > 0:
+        mask = mask.gather(1, slots) & slot_ok
+    return mask
+
+
 def ttt_loss(
     step_logits: list[torch.Tensor],
     target_logp: torch.Tensor,
@@ -139,13 +152,11 @@ def ttt_loss(
     total = step_logits[0].new_zeros((), dtype=torch.float32)
     losses, accs, rows = [], [], None
     for i, logits in enumerate(step_logits):
-        tgt, mask = ttt_targets(target_logp, loss_mask, i)
-        if segments is not None:
-            mask = mask & same_segment(segments, i + 1)
+        tgt, _ = ttt_targets(target_logp, loss_mask, i)
+        mask = step_mask(loss_mask, i, slots, slot_ok, segments)
         ids = shift_left(target_draft_ids, i + 1, -1) if kind == "ce" else None
         if slots is not None and i > 0:
             tgt = tgt.gather(1, slots[..., None].expand(-1, -1, tgt.shape[-1]))
-            mask = mask.gather(1, slots) & slot_ok
             ids = ids.gather(1, slots) if ids is not None else None
         point, counted = _point_loss(kind, logits, tgt, ids, mask)
         loss = _masked_mean(point, counted)
@@ -156,6 +167,138 @@ def ttt_loss(
         losses.append(loss.detach())
         accs.append(top1_agreement(logits, tgt, mask))
     return total, losses, accs, rows
+
+
+class _ChunkedVocabLoss(torch.autograd.Function):
+    """sum_n w_n * loss_n over rows n, loss_n the forward KL (or the CE) of the draft distribution
+    softmax(h_n W^T) against row ``rows[n]`` of the target's log-probs, ``chunk`` rows at a time.
+
+    A softmax loss differentiates to dL/dz = q * sum(p) - p (p the target distribution, q the
+    draft's; a one-hot p for CE), so each chunk's gradients are formed in the forward, while its
+    logits exist, and backward only scales them (the fused linear cross-entropy of Liger-Kernel):
+    no [rows, Vd] tensor outlives its chunk and nothing is recomputed.
+    h: [N, H]; weight: [Vd, H]; target_logp: [R, Vd]; rows: [N] long; labels: [N] draft ids (CE;
+    -1 with w 0 where the token is outside the draft vocab) or None (KL); w: [N] float ->
+    (loss scalar, per-row loss [N], draft argmax [N], target argmax [N]; the last three detached).
+    """
+
+    @staticmethod
+    def forward(ctx, h, weight, target_logp, rows, labels, w, chunk: int):
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        n = h.shape[0]
+        grad_h = torch.empty_like(h) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        point = torch.zeros(n, dtype=torch.float32, device=h.device)
+        top = torch.zeros(n, dtype=torch.long, device=h.device)
+        target_top = torch.zeros(n, dtype=torch.long, device=h.device)
+        autocast = torch.is_autocast_enabled(h.device.type)
+        for s in range(0, n, chunk):
+            e = min(n, s + chunk)
+            hc = h[s:e]
+            z = F.linear(hc, weight).float()  # [c, Vd]
+            top[s:e] = z.argmax(-1)
+            logq = torch.log_softmax(z, dim=-1)
+            del z
+            raw = target_logp[rows[s:e]].float()  # [c, Vd]
+            target_top[s:e] = raw.argmax(-1)
+            if labels is None:
+                logp = torch.log_softmax(raw, dim=-1)  # restricted + renormalised, as _kl
+                p = logp.exp()
+                point[s:e] = torch.where(p > 0, p * (logp - logq), torch.zeros_like(p)).sum(-1)
+                mass = p.sum(-1, keepdim=True)
+                del logp
+            else:
+                lab = labels[s:e].clamp_min(0)[:, None]
+                point[s:e] = -logq.gather(-1, lab).squeeze(-1)
+                p = torch.zeros_like(logq).scatter_(-1, lab, 1.0)
+                mass = 1.0
+            del raw
+            if need_h or need_w:
+                g = logq.exp_().mul_(mass).sub_(p).mul_(w[s:e, None].float())  # d(w * loss)/dz [c, Vd]
+                if need_h:
+                    grad_h[s:e] = torch.mm(g, weight.to(g.dtype))
+                if need_w:
+                    if autocast:  # the matmul in the autocast dtype, summed in float32
+                        grad_w += torch.mm(g.t(), hc.to(g.dtype))
+                    else:
+                        grad_w.addmm_(g.t(), hc.to(g.dtype))
+            del logq, p
+        ctx.grads = (grad_h, grad_w)
+        ctx.weight_dtype = weight.dtype
+        ctx.mark_non_differentiable(point, top, target_top)
+        return (point * w.float()).sum(), point, top, target_top
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_loss, *_):
+        if ctx.grads is None:
+            raise RuntimeError("the chunked draft-vocab loss keeps its gradients for one backward; "
+                               "run the forward again instead of backward(retain_graph=True)")
+        grad_h, grad_w = ctx.grads
+        ctx.grads = None
+        if grad_h is not None:
+            grad_h.mul_(grad_loss.to(grad_h.dtype))
+        if grad_w is not None:
+            grad_w = grad_w.mul_(grad_loss.float()).to(ctx.weight_dtype)
+        return grad_h, grad_w, None, None, None, None, None
+
+
+def ttt_loss_chunked(
+    step_features: list[torch.Tensor],
+    lm_weight: torch.Tensor,
+    target_logp: torch.Tensor,
+    loss_mask: torch.Tensor,
+    step_weights: list[float],
+    kind: str = "kl",
+    target_draft_ids: torch.Tensor | None = None,
+    slots: torch.Tensor | None = None,
+    slot_ok: torch.Tensor | None = None,
+    segments: torch.Tensor | None = None,
+    seqs: int = 0,
+    chunk: int = 2048,
+) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor], torch.Tensor, list[torch.Tensor]]:
+    """:func:`ttt_loss` with lm_head applied inside the loss, ``chunk`` rows at a time: the same
+    value and gradients (tests/unit/test_chunked_loss.py), without a [tokens, Vd] tensor per step.
+
+    step_features: S tensors [B, T or M, H], what lm_head reads (``Eagle3Head.unroll(features=True)``);
+    lm_weight: [Vd, H]. Only the slots with a target at a step are computed (the others weigh 0 in
+    :func:`ttt_loss` too), and their target rows are read from ``target_logp`` [B, T, Vd] in place.
+    Returns :func:`ttt_loss`'s four values and per step the draft's argmax [B, T or M] (0 where the
+    step has no target), what the simulated acceptance reads.
+    """
+    _check_kind(kind, target_draft_ids, "target_draft_ids (the sampled tokens as draft ids)")
+    b, t = loss_mask.shape
+    dev = loss_mask.device
+    flat_logp = target_logp.reshape(b * t, -1)
+    feats, rows, labels, weights, where = [], [], [], [], []
+    for i, feat in enumerate(step_features):
+        mask = step_mask(loss_mask, i, slots, slot_ok, segments)  # [B, L]
+        pos = slots if slots is not None and i > 0 else torch.arange(t, device=dev).expand(b, t)
+        bi, li = mask.nonzero(as_tuple=True)
+        src = bi * t + pos[bi, li] + i + 1  # the target row of slot (bi, li): token pos + i + 2
+        lab = target_draft_ids.reshape(-1)[src] if kind == "ce" else None
+        counted = lab >= 0 if lab is not None else torch.ones_like(bi, dtype=torch.bool)
+        feats.append(feat[bi, li])
+        rows.append(src)
+        labels.append(lab)
+        weights.append(counted.float() * step_weights[i] / counted.sum().clamp_min(1).float())
+        where.append((mask, bi, li, counted))
+    total, point, top, target_top = _ChunkedVocabLoss.apply(
+        torch.cat(feats), lm_weight, flat_logp, torch.cat(rows), torch.cat(labels) if kind == "ce" else None,
+        torch.cat(weights), chunk)
+    sizes = [len(bi) for _, bi, _, _ in where]
+    losses, accs, draft_ids, rows_out = [], [], [], None
+    for i, (p, d, tt, (mask, bi, li, counted)) in enumerate(zip(point.split(sizes), top.split(sizes),
+                                                                target_top.split(sizes), where)):
+        c = counted.float()
+        losses.append((p * c).sum() / c.sum().clamp_min(1.0))
+        accs.append((d == tt).float().sum() / max(len(bi), 1))
+        draft_ids.append(torch.zeros(mask.shape, dtype=torch.long, device=dev).index_put_((bi, li), d))
+        if i == 0:
+            full = torch.zeros(b, t, dtype=torch.float32, device=dev).index_put_((bi, li), p)
+            keep = torch.zeros(b, t, dtype=torch.bool, device=dev).index_put_((bi, li), counted)
+            rows_out = row_means(full, keep) if segments is None else segment_means(full, keep, segments, seqs)
+    return total, losses, accs, rows_out, draft_ids
 
 
 def distill_loss(

@@ -98,6 +98,11 @@ class Eagle3Method(Eagle3Spec):
 
     # ------------------------------------------------------------------ training and scoring
 
+    def freeze_lm_head(self, draft: Eagle3Head) -> None:
+        """``train.freeze_lm_head``: lm_head stays as it is (speculators' trainer keeps it frozen
+        at the target's rows; ``draft.lm_head_from_target`` puts them there)."""
+        draft.lm_head.weight.requires_grad_(False)
+
     def wrap(self, draft: nn.Module, ttt_steps: int = 3, feed: str = "data", pad_id: int = 0) -> Eagle3TTT:
         if not isinstance(draft, Eagle3Head):
             raise TypeError(f"method 'eagle3' trains an Eagle3Head, got {type(draft).__name__}")
@@ -110,13 +115,23 @@ class Eagle3Method(Eagle3Spec):
         """The wrapped forward (or its DDP / DeepSpeed wrapper) on a CapturedBatch -> k x [B, T, Vd]."""
         return model(batch.input_ids, batch.aux, k)
 
-    def loss(self, model: nn.Module, batch, cfg, weights: list[float], labels: torch.Tensor | None, draw_slots):
-        """(loss, per-step losses, per-step accuracies, step logits for the simulated acceptance or
-        [] when TTT steps >= 1 ran at ``draw_slots(loss_mask)`` only, per-sequence loss [B])."""
+    def loss(self, model: nn.Module, batch, cfg, weights: list[float], labels: torch.Tensor | None, draw_slots,
+             chunk: int = 0):
+        """(loss, per-step losses, per-step accuracies, per-step draft argmax [B, T] for the simulated
+        acceptance or [] when TTT steps >= 1 ran at ``draw_slots(loss_mask)`` only, per-sequence
+        loss [B]). ``chunk`` > 0: lm_head and the loss run that many tokens at a time
+        (``losses.ttt_loss_chunked``); 0: the logits of every step at once (``losses.ttt_loss``)."""
         slots, slot_ok = draw_slots(batch.loss_mask)
-        steps = model(batch.input_ids, batch.aux, cfg.ttt_steps, slots, batch.segments)
-        loss, per_step, accs, rows = losses.ttt_loss(steps, batch.target_logp, batch.loss_mask, weights, cfg.loss,
-                                                     labels, slots, slot_ok, batch.segments, batch.seqs)
+        args = (batch.target_logp, batch.loss_mask, weights, cfg.loss, labels, slots, slot_ok, batch.segments,
+                batch.seqs)
+        if chunk:
+            feats = model(batch.input_ids, batch.aux, cfg.ttt_steps, slots, batch.segments, features=True)
+            loss, per_step, accs, rows, steps = losses.ttt_loss_chunked(feats, self.unwrap(_bare(model)).lm_head.weight,
+                                                                        *args, chunk=chunk)
+        else:
+            logits = model(batch.input_ids, batch.aux, cfg.ttt_steps, slots, batch.segments)
+            loss, per_step, accs, rows = losses.ttt_loss(logits, *args)
+            steps = [s.detach().argmax(-1) for s in logits]
         if slots is not None or batch.segments is not None:
             steps = []  # not every position, or packed rows: no simulated acceptance on this batch
         return loss, per_step, accs, steps, rows
@@ -167,6 +182,10 @@ class DraftLMMethod(DraftLMSpec):
     def refresh_shared(self, draft: nn.Module, policy: nn.Module) -> None:
         pass  # its embeddings are its own
 
+    def freeze_lm_head(self, draft: nn.Module) -> None:
+        raise ValueError("train.freeze_lm_head keeps an Eagle-3 head's lm_head at its start; a draft LM's output "
+                         "layer is its own (often tied to its embeddings): set train.freeze_lm_head=false")
+
     def wrap(self, draft: nn.Module, ttt_steps: int = 3, feed: str = "data", pad_id: int = 0) -> DraftLMForward:
         return DraftLMForward(draft)
 
@@ -176,12 +195,13 @@ class DraftLMMethod(DraftLMSpec):
     def step_logits(self, model: nn.Module, batch, k: int) -> list[torch.Tensor]:
         return lm_step_logits(model(batch.input_ids, batch.attention_mask), k)
 
-    def loss(self, model: nn.Module, batch, cfg, weights: list[float], labels: torch.Tensor | None, draw_slots):
+    def loss(self, model: nn.Module, batch, cfg, weights: list[float], labels: torch.Tensor | None, draw_slots,
+             chunk: int = 0):
         if batch.segments is not None:
             raise ValueError("a draft LM trains on one sequence a row; pass the batch unpacked")
         logits = model(batch.input_ids, batch.attention_mask)
         loss, acc, rows = losses.distill_loss(logits, batch.target_logp, batch.loss_mask, cfg.loss, labels)
-        return loss, [loss.detach()], [acc], lm_step_logits(logits.detach(), cfg.ttt_steps), rows
+        return loss, [loss.detach()], [acc], [s.argmax(-1) for s in lm_step_logits(logits.detach(), cfg.ttt_steps)], rows
 
 
 class MTPMethod(MTPSpec):
@@ -226,6 +246,9 @@ class MTPMethod(MTPSpec):
         draft.copy_shared(policy.get_input_embeddings().weight.detach().float(),
                           policy.get_output_embeddings().weight.detach().float())
 
+    def freeze_lm_head(self, draft: MTPHead) -> None:
+        pass  # the policy's lm_head, frozen always
+
     def wrap(self, draft: nn.Module, ttt_steps: int = 3, feed: str = "data", pad_id: int = 0) -> Eagle3TTT:
         if not isinstance(draft, MTPHead):
             raise TypeError(f"method 'mtp' trains an MTPHead, got {type(draft).__name__}")
@@ -238,6 +261,11 @@ class MTPMethod(MTPSpec):
     step_logits = Eagle3Method.step_logits
     loss = Eagle3Method.loss
     packs = Eagle3Method.packs
+
+
+def _bare(model: nn.Module) -> nn.Module:
+    """The wrapped forward inside a DDP / DeepSpeed wrapper (which keep it at ``.module``)."""
+    return getattr(model, "module", model)
 
 
 EAGLE3 = Eagle3Method()
@@ -255,7 +283,7 @@ def method_for(what: str | nn.Module | DraftMethod | MethodSpec) -> DraftMethod:
         what = spec_for(what)  # an unknown name is refused there
     if isinstance(what, (Eagle3Spec, DraftLMSpec, MTPSpec)):
         return next(m for m in (EAGLE3, DRAFT_LM, MTP) if m.name == what.name)
-    inner = getattr(what, "module", what)  # DDP / DeepSpeed keep the model at .module
+    inner = _bare(what)
     if isinstance(getattr(inner, "head", inner), MTPHead):  # bare, or inside its TTT wrapper
         return MTP
     if isinstance(inner, (Eagle3Head, Eagle3TTT)):

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from draftadapt.capture.hidden import CapturedBatch
-from draftadapt.metrics.acceptance import AcceptanceStats, simulate_acceptance
+from draftadapt.metrics.acceptance import AcceptanceStats, simulate_acceptance, simulate_acceptance_ids
 from draftadapt.tensors import all_finite
 from draftadapt.train import losses
 from draftadapt.train.forward import DraftLMForward, Eagle3TTT
@@ -55,6 +55,14 @@ class TrainConfig:
     # each step's loss stays an unbiased mean (docs/design.md, "Adapter cost"). 1 = every position.
     ttt_slots: float = 1.0
     loss: str = "kl"  # "kl": forward KL to the target restricted to the draft vocab; "ce": sampled tokens
+    # Eagle-3 and MTP: lm_head and the loss run this many tokens at a time, the gradients formed in
+    # the forward, so no [tokens, draft vocab] tensor is kept for backward (same value and gradients,
+    # tests/unit/test_chunked_loss.py); 0: every step's logits at once (the reference path).
+    # ZeRO-3 always takes the reference path: its lm_head is gathered only inside lm_head's forward.
+    loss_chunk: int = 2048
+    # Eagle-3: lm_head is not trained (speculators' trainer's default; start it from the target's rows
+    # with draft.lm_head_from_target). Saves its gradient and AdamW state: 65M of a 1b head's parameters.
+    freeze_lm_head: bool = False
     zero_stage: int = 0  # 0: plain DDP; 1-3: DeepSpeed ZeRO stage (needs deepspeed; CPU: DS_ACCELERATOR=cpu)
     deepspeed_config: str | None = None  # path to a DeepSpeed JSON config (overrides zero_stage)
     seed: int = 0  # the draft wrapper's init, the TTT slot draws, pretrain's batch order and the adapter's replay draws
@@ -81,6 +89,9 @@ class TrainConfig:
         if not 0 < self.ttt_slots <= 1:
             raise ConfigError(f"train.ttt_slots must be in (0, 1] (got {self.ttt_slots}): the share of loss "
                               "positions TTT steps >= 1 run at; 1 = all")
+        if self.loss_chunk < 0:
+            raise ConfigError(f"train.loss_chunk must be >= 0 (got {self.loss_chunk}): tokens per chunk of the "
+                              "draft-vocab loss; 0 = all at once")
         if self.precision not in ("auto", "bf16", "fp32"):
             raise ConfigError(f"train.precision {self.precision!r}: use 'auto' (bf16 autocast on CUDA, float32 on "
                               "CPU), 'bf16' or 'fp32'")
@@ -184,6 +195,8 @@ class DraftTrainer:
         self.method = method_for(method)
         self.accelerator = accelerator or make_accelerator(cfg)
         self.is_deepspeed = self.accelerator.state.deepspeed_plugin is not None
+        if cfg.freeze_lm_head:
+            self.method.freeze_lm_head(draft)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.seed)
             module = self.method.wrap(draft, cfg.ttt_steps, cfg.ttt_feed, pad_id)
@@ -205,6 +218,8 @@ class DraftTrainer:
         self._target_to_draft = t2d  # target id -> draft id, -1 outside the draft vocab
         self.weights = losses.step_weights(cfg.ttt_steps, cfg.step_decay)
         self._slot_rng = torch.Generator().manual_seed(cfg.seed)  # TTT slot draws (cfg.ttt_slots)
+        zero3 = self.is_deepspeed and self.accelerator.state.deepspeed_plugin.zero_stage == 3
+        self.loss_chunk = 0 if zero3 else cfg.loss_chunk
         self.precision = cfg.precision if cfg.precision != "auto" else ("bf16" if self.device.type == "cuda" else "fp32")
         self.step = 0  # optimizer steps taken
         # the last step's loss per sequence of its batch (the first TTT step's; a draft LM's one
@@ -278,7 +293,8 @@ class DraftTrainer:
 
     def _loss(self, batch: CapturedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[torch.Tensor], torch.Tensor]:
         labels = self._sampled_draft_ids(batch.input_ids) if self.cfg.loss == "ce" else None
-        loss, per_step, accs, steps, rows = self.method.loss(self.model, batch, self.cfg, self.weights, labels, self._slots)
+        loss, per_step, accs, steps, rows = self.method.loss(self.model, batch, self.cfg, self.weights, labels, self._slots,
+                                                             self.loss_chunk)
         parts = {f"loss_pos_{i}": l for i, l in enumerate(per_step)}
         parts.update({f"acc_pos_{i}": a for i, a in enumerate(accs)})
         return loss, parts, steps, rows
@@ -311,8 +327,8 @@ class DraftTrainer:
         uniform = AcceptanceStats(max(len(steps), 1))
         if steps:
             with torch.no_grad():
-                _, uniform = simulate_acceptance(
-                    [s.detach() for s in steps], self._vocab_ids, batch.target_logp, batch.input_ids,
+                _, uniform = simulate_acceptance_ids(
+                    torch.stack(steps, dim=-1), self._vocab_ids, batch.target_logp, batch.input_ids,
                     batch.loss_mask, visit=False,
                 )
         means = torch.stack([loss.detach().float(), *[v.float() for v in parts.values()],
