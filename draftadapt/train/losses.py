@@ -173,8 +173,8 @@ class _ChunkedVocabLoss(torch.autograd.Function):
     """sum_n w_n * loss_n over rows n, loss_n the forward KL (or the CE) of the draft distribution
     softmax(h_n W^T) against row ``rows[n]`` of the target's log-probs, ``chunk`` rows at a time.
 
-    A softmax loss differentiates to dL/dz = q * sum(p) - p (p the target distribution, q the
-    draft's; a one-hot p for CE), so each chunk's gradients are formed in the forward, while its
+    A softmax loss differentiates to dL/dz = q - p (p the target distribution, renormalised over
+    the draft vocabulary, q the draft's; a one-hot p for CE), so each chunk's gradients are formed in the forward, while its
     logits exist, and backward only scales them (the fused linear cross-entropy of Liger-Kernel):
     no [rows, Vd] tensor outlives its chunk and nothing is recomputed.
     h: [N, H]; weight: [Vd, H]; target_logp: [R, Vd]; rows: [N] long; labels: [N] draft ids (CE;
@@ -195,26 +195,28 @@ class _ChunkedVocabLoss(torch.autograd.Function):
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
             hc = h[s:e]
+            # in place where it can be: about 3 [c, Vd] float32 tensors live at once
             z = F.linear(hc, weight).float()  # [c, Vd]
             top[s:e] = z.argmax(-1)
-            logq = torch.log_softmax(z, dim=-1)
-            del z
-            raw = target_logp[rows[s:e]].float()  # [c, Vd]
-            target_top[s:e] = raw.argmax(-1)
+            logq = z.sub_(z.logsumexp(-1, keepdim=True))
+            tgt = target_logp[rows[s:e]].float()  # [c, Vd], a copy (indexed)
+            target_top[s:e] = tgt.argmax(-1)
             if labels is None:
-                logp = torch.log_softmax(raw, dim=-1)  # restricted + renormalised, as _kl
+                logp = tgt.sub_(tgt.logsumexp(-1, keepdim=True))  # restricted + renormalised, as _kl
                 p = logp.exp()
-                point[s:e] = torch.where(p > 0, p * (logp - logq), torch.zeros_like(p)).sum(-1)
-                mass = p.sum(-1, keepdim=True)
-                del logp
+                kl = logp.sub_(logq).mul_(p).masked_fill_(p == 0, 0.0)  # 0 log 0 = 0
+                point[s:e] = kl.sum(-1)
+                del kl, logp, tgt
+                g = logq.exp_().sub_(p) if need_h or need_w else None  # dL/dz = q - p [c, Vd]
+                del p
             else:
+                del tgt
                 lab = labels[s:e].clamp_min(0)[:, None]
                 point[s:e] = -logq.gather(-1, lab).squeeze(-1)
-                p = torch.zeros_like(logq).scatter_(-1, lab, 1.0)
-                mass = 1.0
-            del raw
-            if need_h or need_w:
-                g = logq.exp_().mul_(mass).sub_(p).mul_(w[s:e, None].float())  # d(w * loss)/dz [c, Vd]
+                g = logq.exp_().scatter_add_(-1, lab, -torch.ones_like(lab, dtype=logq.dtype)) \
+                    if need_h or need_w else None  # dL/dz = q - onehot
+            if g is not None:
+                g.mul_(w[s:e, None].float())  # d(w * loss)/dz
                 if need_h:
                     grad_h[s:e] = torch.mm(g, weight.to(g.dtype))
                 if need_w:
@@ -222,7 +224,7 @@ class _ChunkedVocabLoss(torch.autograd.Function):
                         grad_w += torch.mm(g.t(), hc.to(g.dtype))
                     else:
                         grad_w.addmm_(g.t(), hc.to(g.dtype))
-            del logq, p
+            del logq, g
         ctx.grads = (grad_h, grad_w)
         ctx.weight_dtype = weight.dtype
         ctx.mark_non_differentiable(point, top, target_top)
@@ -255,7 +257,7 @@ def ttt_loss_chunked(
     slot_ok: torch.Tensor | None = None,
     segments: torch.Tensor | None = None,
     seqs: int = 0,
-    chunk: int = 2048,
+    chunk: int = 1024,
 ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor], torch.Tensor, list[torch.Tensor]]:
     """:func:`ttt_loss` with lm_head applied inside the loss, ``chunk`` rows at a time: the same
     value and gradients (tests/unit/test_chunked_loss.py), without a [tokens, Vd] tensor per step.

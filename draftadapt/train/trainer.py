@@ -59,7 +59,7 @@ class TrainConfig:
     # the forward, so no [tokens, draft vocab] tensor is kept for backward (same value and gradients,
     # tests/unit/test_chunked_loss.py); 0: every step's logits at once (the reference path).
     # ZeRO-3 always takes the reference path: its lm_head is gathered only inside lm_head's forward.
-    loss_chunk: int = 2048
+    loss_chunk: int = 1024
     # Eagle-3: lm_head is not trained (speculators' trainer's default; start it from the target's rows
     # with draft.lm_head_from_target). Saves its gradient and AdamW state: 65M of a 1b head's parameters.
     freeze_lm_head: bool = False
