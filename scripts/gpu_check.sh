@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks, as one run on a CUDA machine (docs/design.md, "On a GPU"): the gpu-marked
-# tests and scripts/bench_adapter.py at 1b and 8b widths. Needs a python with torch (CUDA),
-# transformers, accelerate, safetensors, pyyaml and pytest; not vLLM. Logs go to $OUT (default
+# tests, scripts/bench_adapter.py at 1b and 8b widths and scripts/bench_step_vs_speculators.py at
+# 8b. Needs a python with torch (CUDA), transformers, accelerate, safetensors, pyyaml and pytest
+# (and speculators for the last: SPECULATORS_WHEELS); not vLLM. Logs go to $OUT (default
 # ./gpu-out). The tests' toy target is built on first use (DRAFTADAPT_TEST_CACHE, as in the CPU
 # suite); carry .cache/tests from a machine that ran the suite to skip the build.
 #
@@ -34,4 +35,10 @@ echo "== bench_adapter"
 timeout 400 $py scripts/bench_adapter.py --sizes $sizes --precisions fp32,bf16 --slots 1.0,0.25 \
   --seqs 4 --seq-len 4096 --steps $steps --handover --json >"$out/bench_adapter.json" 2>"$out/bench_adapter.err" || rc=1
 grep -v '^\[' "$out/bench_adapter.err" | tail -n 20
+echo "== bench_step_vs_speculators (speculators from SPECULATORS_WHEELS when no index: see the script)"
+step_size=8b
+[[ ${1:-} == --quick ]] && step_size=1b
+timeout 400 $py scripts/bench_step_vs_speculators.py --size $step_size --seqs 4 --seq-len 4096 --steps $steps \
+  --json >"$out/bench_step_vs_speculators.json" 2>"$out/bench_step_vs_speculators.err" || rc=1
+tail -n 5 "$out/bench_step_vs_speculators.err"
 exit $rc

@@ -57,3 +57,20 @@ def test_bench_adapter_handover_alone():
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["rows"] == [] and [h["store"] for h in out["handover"]] == ["logp", "hidden"]
     assert all(h["handover_ms_per_seq"] >= 0 and h["seq_len"] == 32 for h in out["handover"])
+
+
+def test_bench_step_vs_speculators_toy_on_this_machine():
+    """issue 48's side-by-side step, toy widths: every row runs, both ratios are reported."""
+    pytest.importorskip("speculators", reason="installed by scripts/setup.sh (pip install --no-deps speculators==0.9.0)")
+    r = subprocess.run([sys.executable, "scripts/bench_step_vs_speculators.py", "--size", "toy", "--seq-len", "16",
+                        "--steps", "1", "--threads", "1", "--json"], cwd=REPO, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["tokens_per_step"] == 32
+    names = ["draftadapt lm_head trained", "draftadapt lm_head frozen", "speculators"]
+    assert [row["row"] for row in out["rows"]] == names
+    for row in out["rows"]:
+        assert "error" not in row and row["step_ms"] > 0 and row["peak_gib"] > 0 and row["step_gib"] >= 0, row
+    assert sorted(out["ratio_vs_speculators"]) == sorted(names[:2])
+    assert all(q["step"] > 0 and q["peak"] > 0 for q in out["ratio_vs_speculators"].values())
