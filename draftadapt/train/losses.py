@@ -216,14 +216,14 @@ class _ChunkedVocabLoss(torch.autograd.Function):
                 g = logq.exp_().scatter_add_(-1, lab, -torch.ones_like(lab, dtype=logq.dtype)) \
                     if need_h or need_w else None  # dL/dz = q - onehot
             if g is not None:
-                g.mul_(w[s:e, None].float())  # d(w * loss)/dz
+                wc = w[s:e, None].float()  # d(w * loss)/dz = w g: w scales the [c, H] sides, not g
                 if need_h:
-                    grad_h[s:e] = torch.mm(g, weight.to(g.dtype))
+                    grad_h[s:e] = torch.mm(g, weight.to(g.dtype)).mul_(wc)
                 if need_w:
                     if autocast:  # the matmul in the autocast dtype, summed in float32
-                        grad_w += torch.mm(g.t(), hc.to(g.dtype))
+                        grad_w += torch.mm(g.t(), hc.to(g.dtype) * wc)
                     else:
-                        grad_w.addmm_(g.t(), hc.to(g.dtype))
+                        grad_w.addmm_(g.t(), hc.to(g.dtype) * wc)
             del logq, g
         ctx.grads = (grad_h, grad_w)
         ctx.weight_dtype = weight.dtype
