@@ -20,7 +20,9 @@ target's last hidden state through its frozen verifier lm_head (its KL loss in e
 causal mask, uncompiled; speculators' ``eager`` on CPU, its default flex attention (and its
 ``torch.compile`` of forward) on CUDA (``--speculators-attn``). On CUDA both run under bf16 autocast.
 
-Per row: step_ms (median of ``--steps`` steps after one warm-up), tokens_s, and peak memory:
+Per row: step_ms (median wall time of ``--steps`` steps after one warm-up), cpu_ms (the same steps'
+CPU time over all threads: on a shared machine the work done, where wall time also counts the
+waits for a core), tokens_s, and peak memory:
 on CUDA ``torch.cuda.max_memory_allocated`` over the steps; on CPU the child's resident set: its
 high-water mark (VmHWM, reset through /proc/self/clear_refs just before the warm-up step) as
 ``peak_gib``, and that minus the resident set before the step (weights and batch already built)
@@ -202,20 +204,22 @@ def child(spec: dict) -> dict:
         step, row["loss_chunk"] = draftadapt_step(spec["size"], batch, spec["precision"], spec["freeze"],
                                                   spec["loss_chunk"])
         row["attention"] = "sdpa"
-    times = []
+    times, cpu = [], []
     with PeakMemory(cuda) as mem:
         for i in range(spec["steps"] + 1):  # the first is a warm-up
             _sync()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             loss = step()
             _sync()
             if i:
                 times.append(time.perf_counter() - t0)
+                cpu.append(time.process_time() - c0)
     if loss != loss:
         raise RuntimeError(f"{spec['row']}: the loss is NaN")
     step_s = statistics.median(times)
     tokens = spec["seqs"] * spec["seq_len"]
-    return {**row, "step_ms": round(step_s * 1e3, 1), "tokens_s": round(tokens / step_s),
+    return {**row, "step_ms": round(step_s * 1e3, 1), "cpu_ms": round(statistics.median(cpu) * 1e3, 1),
+            "tokens_s": round(tokens / step_s),
             "peak_gib": round(mem.peak / 2**30, 3),
             "step_gib": round((mem.peak - (mem.before if not cuda else 0)) / 2**30, 3) if not cuda else None,
             "loss": round(loss, 4)}
@@ -240,7 +244,8 @@ def ratios(rows: list[dict]) -> dict:
     for r in rows:
         if ref is None or r["row"] == "speculators" or "error" in r:
             continue
-        out[r["row"]] = {"step": round(r["step_ms"] / ref["step_ms"], 3), "peak": round(r["peak_gib"] / ref["peak_gib"], 3)}
+        out[r["row"]] = {"step": round(r["step_ms"] / ref["step_ms"], 3), "cpu": round(r["cpu_ms"] / ref["cpu_ms"], 3),
+                         "peak": round(r["peak_gib"] / ref["peak_gib"], 3)}
         if r.get("step_gib") is not None:
             out[r["row"]]["step_mem"] = round(r["step_gib"] / ref["step_gib"], 3)
     return out
@@ -289,12 +294,12 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result))
         return 0
     print(f"device: {device}; {args.size} widths; {args.seqs} x {args.seq_len} tokens, {TTT_STEPS} TTT steps")
-    cols = ["row", "step_ms", "tokens_s", "peak_gib", "step_gib", "attention"]
+    cols = ["row", "step_ms", "cpu_ms", "tokens_s", "peak_gib", "step_gib", "attention"]
     print(" | ".join(cols))
     for r in rows:
         print(" | ".join(str(r.get(c, r.get("error") if c == "step_ms" else "-")) for c in cols))
     for name, q in result["ratio_vs_speculators"].items():
-        print(f"{name} / speculators: step {q['step']}x, peak {q['peak']}x"
+        print(f"{name} / speculators: step {q['step']}x (CPU time {q['cpu']}x), peak {q['peak']}x"
               + (f", step memory {q['step_mem']}x" if "step_mem" in q else ""))
     return 0
 
