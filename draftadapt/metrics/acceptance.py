@@ -259,14 +259,9 @@ def simulate_acceptance(
     return simulate_acceptance_ids(draft, draft_to_target, target_logp, input_ids, loss_mask, visit)
 
 
-def simulate_acceptance_ids(
-    draft: torch.Tensor,
-    draft_to_target: torch.Tensor,
-    target_logp: torch.Tensor,
-    input_ids: torch.Tensor,
-    loss_mask: torch.Tensor,
-    visit: bool = True,
-) -> tuple[AcceptanceStats | None, AcceptanceStats]:
+def simulate_acceptance_ids(draft: torch.Tensor, draft_to_target: torch.Tensor, target_logp: torch.Tensor,
+                            input_ids: torch.Tensor, loss_mask: torch.Tensor,
+                            visit: bool = True) -> tuple[AcceptanceStats | None, AcceptanceStats]:
     """:func:`simulate_acceptance` from the greedy proposals themselves: draft [B, T, k] draft ids
     (only those where token t + i + 2 is a response token are read)."""
     k = draft.shape[-1]

@@ -246,18 +246,10 @@ class _ChunkedVocabLoss(torch.autograd.Function):
 
 
 def ttt_loss_chunked(
-    step_features: list[torch.Tensor],
-    lm_weight: torch.Tensor,
-    target_logp: torch.Tensor,
-    loss_mask: torch.Tensor,
-    step_weights: list[float],
-    kind: str = "kl",
-    target_draft_ids: torch.Tensor | None = None,
-    slots: torch.Tensor | None = None,
-    slot_ok: torch.Tensor | None = None,
-    segments: torch.Tensor | None = None,
-    seqs: int = 0,
-    chunk: int = 1024,
+    step_features: list[torch.Tensor], lm_weight: torch.Tensor, target_logp: torch.Tensor, loss_mask: torch.Tensor,
+    step_weights: list[float], kind: str = "kl", target_draft_ids: torch.Tensor | None = None,
+    slots: torch.Tensor | None = None, slot_ok: torch.Tensor | None = None, segments: torch.Tensor | None = None,
+    seqs: int = 0, chunk: int = 1024,
 ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor], torch.Tensor, list[torch.Tensor]]:
     """:func:`ttt_loss` with lm_head applied inside the loss, ``chunk`` rows at a time: the same
     value and gradients (tests/unit/test_chunked_loss.py), without a [tokens, Vd] tensor per step.
