@@ -194,7 +194,7 @@ def child(spec: dict) -> dict:
     """One row: build its side, then a warm-up and ``steps`` timed steps under PeakMemory."""
     torch.set_num_threads(spec["threads"])
     cuda = torch.cuda.is_available()
-    batch = random_batch(spec["size"], spec["seqs"], spec["seq_len"], 0, "cpu")
+    batch = random_batch(spec["size"], spec["seqs"], spec["seq_len"], 0, "cuda" if cuda else "cpu")
     row = {"row": spec["row"]}
     if spec["row"] == "speculators":
         step = speculators_step(spec["size"], batch, spec["precision"], spec["attn"], spec["wheels"])
@@ -221,7 +221,7 @@ def child(spec: dict) -> dict:
     return {**row, "step_ms": round(step_s * 1e3, 1), "cpu_ms": round(statistics.median(cpu) * 1e3, 1),
             "tokens_s": round(tokens / step_s),
             "peak_gib": round(mem.peak / 2**30, 3),
-            "step_gib": round((mem.peak - (mem.before if not cuda else 0)) / 2**30, 3) if not cuda else None,
+            "step_gib": None if cuda else round((mem.peak - mem.before) / 2**30, 3),
             "loss": round(loss, 4)}
 
 
