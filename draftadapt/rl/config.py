@@ -238,9 +238,9 @@ def world_defaults(world: str) -> dict:
     command line or in a YAML file still sets only itself."""
     if world != "smollm2":
         return {}
-    return {"grpo": GRPOConfig(steps=15, prompts_per_step=16, group_size=4, max_tokens=128, lr=2e-5, warmup_steps=2,
+    return {"grpo": GRPOConfig(steps=15, prompts_per_step=8, group_size=4, max_tokens=128, lr=5e-5, warmup_steps=2,
                                kl_coef=0.05, micro_batch=16),
-            "eval": EvalConfig(prompts=32, max_tokens=128),
+            "eval": EvalConfig(prompts=16, max_tokens=128),
             "pretrain_prompts": 0}  # the recipe's own
 
 

@@ -220,7 +220,7 @@ def test_demo_world_sets_the_runs_sizes_and_refuses_what_it_cannot_serve():
 
     toy, smol = load_config(DemoConfig, None, []), load_config(DemoConfig, None, ["world=smollm2"])
     assert toy.grpo == GRPOConfig() and toy.pretrain_prompts == 768
-    assert (smol.grpo.prompts_per_step, smol.grpo.max_tokens, smol.grpo.lr, smol.eval.max_tokens) == (16, 128, 2e-5, 128)
+    assert (smol.grpo.prompts_per_step, smol.grpo.max_tokens, smol.grpo.lr, smol.eval.max_tokens) == (8, 128, 5e-5, 128)
     assert smol.pretrain_prompts == 0  # the SmolLM2 recipe's own
     assert load_config(DemoConfig, None, ["world=smollm2", "grpo.lr=1e-5"]).grpo.max_tokens == 128
     with pytest.raises(ConfigError, match=r"method=mtp: world=smollm2 serves an Eagle-3 head"):
