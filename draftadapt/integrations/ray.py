@@ -12,7 +12,7 @@ their rollout engines (several vLLM replicas as Ray actors), so it is how drafta
     boundary = StepBoundary(adapter, fleet)
     for step in range(steps):
         gen = fleet.generate(prompts, temperature=1.0, max_tokens=512, seed=step)  # split over engines
-        boundary.report(gen.spec)
+        boundary.report(gen.acceptance)
         with adapter.handover(policy) as ho:                                       # hooks, this process
             weights = rl_update(policy, gen.rollouts, ho)
         boundary.after_update(gen.rollouts, sampled_version=step, weights=weights, version=step + 1, handover=ho)
@@ -309,11 +309,11 @@ class DraftFleet:
         refs = [launch(a, lo, hi) for a, (lo, hi) in zip(self.actors, bounds)]
         results = [self._get_or_recover(j, ref, lambda a, lo=lo, hi=hi: launch(a, lo, hi))
                    for j, (ref, (lo, hi)) in enumerate(zip(refs, bounds))]
-        spec = AcceptanceStats()
+        acceptance = AcceptanceStats()
         for r in results:
-            if r.spec.drafts or r.spec.k:
-                spec = spec + r.spec
-        res = GenerateResult([x for r in results for x in r.rollouts], spec, max(r.seconds for r in results))
+            if r.acceptance.drafts or r.acceptance.k:
+                acceptance = acceptance + r.acceptance
+        res = GenerateResult([x for r in results for x in r.rollouts], acceptance, max(r.seconds for r in results))
         self.per_engine_seconds = [r.seconds for r in results]
         return res
 
@@ -549,14 +549,14 @@ class RemoteAdapter:
         finally:
             _ray().get(self.actor.not_counted.remote(False))
 
-    def step(self, force: bool = False) -> dict[str, float]:
-        return self._call("step", force)
+    def run_round(self, force: bool = False) -> dict[str, float]:
+        return self._call("run_round", force)
 
-    def start_step(self, force: bool = False) -> None:
-        self._call("start_step", force)
+    def start_round(self, force: bool = False) -> None:
+        self._call("start_round", force)
 
-    def finish_step(self) -> dict[str, float]:
-        return self._call("finish_step")
+    def finish_round(self) -> dict[str, float]:
+        return self._call("finish_round")
 
     def newest_package(self, max_policy_version: int, newer_than: int | None = None):
         return self._call("newest_package", max_policy_version, newer_than)
