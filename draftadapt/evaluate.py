@@ -194,7 +194,7 @@ def evaluate(cfg: EvaluateConfig, repeats: int = 1, threads: int | None = None,
         "tokens_per_s_spec": round(tps_spec, 1),
         "tokens_per_s_plain": round(tps_plain, 1),
         "speedup": round(speedup, 4),
-        # With n sequences decoding in lockstep a step emits n tokens (plain) or n * L (spec):
+        # With n sequences decoding in lockstep a step emits n tokens (plain) or n * L (speculating):
         # the cost of one speculative step relative to a plain one is L / speedup.
         "ms_per_step_plain_est": round(1e3 * n / tps_plain, 2),
         "ms_per_step_spec_est": round(1e3 * n * measured / tps_spec, 2),

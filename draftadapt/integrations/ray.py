@@ -465,7 +465,7 @@ class AdapterServer:
         self.adapter = DraftAdapter(policy_dir, draft_dir, out_dir, cfg)
         self.pid = os.getpid()
 
-    def handover_spec(self) -> dict[str, Any]:
+    def handover_settings(self) -> dict[str, Any]:
         c = self.adapter.capture
         return {"aux_layer_ids": c.aux_layer_ids, "draft_to_target": c.draft_to_target,
                 "temperature": c.temperature, "store": self.adapter.cfg.handover_store}
@@ -515,7 +515,7 @@ class RemoteAdapter:
         options = {"num_cpus": 0, "max_restarts": -1, "max_task_retries": -1, **(actor_options or {})}
         self.actor = ray.remote(AdapterServer).options(**options).remote(
             str(policy_dir), str(draft_dir), str(out_dir), self.cfg, threads)
-        self._spec = ray.get(self.actor.handover_spec.remote())
+        self._handover_settings = ray.get(self.actor.handover_settings.remote())
         # the drafts it publishes, read where this process sees its out_dir (same node or shared FS)
         self.store = DraftStore(out_dir, readonly=True)
 
@@ -525,7 +525,7 @@ class RemoteAdapter:
     def handover(self, policy, subset=None):
         from draftadapt.capture.hidden import HandOver
 
-        s = self._spec
+        s = self._handover_settings
         return HandOver(policy, s["aux_layer_ids"], s["draft_to_target"], s["temperature"], store=s["store"],
                         subset=subset)
 
