@@ -8,7 +8,8 @@
         boundary.after_update(result.rollouts, sampled_version=v - 1, weights=weights, version=v, handover=ho)
 
 The boundary makes the calls below in their one order (the engine's policy sync, the draft's
-integrity, observe, update_policy, step, swap); call them yourself only where no boundary fits.
+integrity, observe, update_policy, run_round, swap); call them yourself only where no boundary
+fits.
 
 observe -> train (TTT unroll, forward KL to the policy) -> validate on held-out rollouts of the
 newest policy version -> publish (atomic, versioned) -> swap (never a draft trained on a newer
@@ -42,7 +43,7 @@ from draftadapt.data.replay import MAX_PRIORITY, ReplayBuffer, ReplayItem
 from draftadapt.data.sequences import as_sequences
 from draftadapt.data.store import DraftStore
 from draftadapt.drafts.formats import check_draft_for_target, detect_format, read_hf_config
-from draftadapt.drafts.spec import METHODS, check_serves
+from draftadapt.drafts.serving import METHODS, check_serves
 from draftadapt.publish import EngineSwaps, Publisher
 from draftadapt.train.methods import DraftMethod, method_for
 from draftadapt.train.trainer import DraftTrainer, TrainConfig, score_draft
@@ -68,7 +69,7 @@ class ScheduleConfig:
     # held-out rollouts of the newest policy) found the draft behind a moving policy; the next
     # round is then due at the very next RL step instead of after every_n_steps. 0 = off.
     chase_gain: float = 0.0
-    # Cost cap: a due round waits while the adapter's own calls (observe, update_policy, step,
+    # Cost cap: a due round waits while the adapter's own calls (observe, update_policy, run_round,
     # swap, check_integrity) plus the last round's duration would exceed this share of the wall
     # time since its first call; the round stays due and runs once the run has earned the time.
     # Chase and drift rounds then take the time the schedule would have spent later. 0 = off.
@@ -364,7 +365,7 @@ class DraftAdapter:
     The facade over its parts, each in its own place: the policy copy and the targets it gives
     (``capture/policy.py``), the replay buffer, the trainer, the drift trigger and the validation
     gate (above), the publisher and the engine swaps (``publish.py``). The round itself
-    (:meth:`step`) reads top to bottom here."""
+    (:meth:`run_round`) reads top to bottom here."""
 
     def __init__(self, policy_dir: str | Path, draft_dir: str | Path, out_dir: str | Path,
                  cfg: AdapterConfig | None = None, logger=None, policy_version: int = 0):
@@ -394,9 +395,9 @@ class DraftAdapter:
         self.trigger = DriftTrigger(self.cfg.schedule)
         self.cost = CostMeter(self.cfg.schedule.max_share)
         self.gate = ValidationGate(self.cfg.validation, self.cfg.k)
-        self.engines = EngineSwaps(self.store)
+        self.swaps = EngineSwaps(self.store)
         self._simulated: dict[int, float] = {}  # published version -> its simulated acceptance length
-        self._round: Future | None = None  # a round started by start_step, not yet finished
+        self._round: Future | None = None  # a round started by start_round, not yet finished
         self._round_pool: ThreadPoolExecutor | None = None
         latest = self.store.latest()
         # what a restart continued from: "start" (a new run), "published" (the newest version's
@@ -504,12 +505,12 @@ class DraftAdapter:
     # ------------------------------------------------------------------ the round
 
     @_timed
-    def step(self, force: bool = False) -> dict[str, float]:
+    def run_round(self, force: bool = False) -> dict[str, float]:
         """Train if the schedule says so, validate, and publish a better draft. Returns metrics."""
         self._wait_round()
-        return self._step(force)
+        return self._run_round(force)
 
-    def _step(self, force: bool) -> dict[str, float]:
+    def _run_round(self, force: bool) -> dict[str, float]:
         due, why = self.trigger.due(len(self.replay), lambda: self.score(self.live_draft(), self.targets.batches(
             self.replay.heldout(), self.cfg.train.batch_size)))
         metrics: dict[str, float] = {"adapt/trained": 0.0, "adapt/published": 0.0, "adapt/rejected": 0.0}
@@ -666,20 +667,20 @@ class DraftAdapter:
 
     # ------------------------------------------------------------------ background rounds
 
-    def start_step(self, force: bool = False) -> None:
-        """Run :meth:`step` in a background thread while the RL loop goes on (the next rollouts,
-        the next update); :meth:`finish_step` returns its metrics. Every other adapter call first
-        waits for the round, so the replay buffer, the trainer and the store are never used by two
-        threads at once. On a 2-core CPU the round competes with generation for the cores
+    def start_round(self, force: bool = False) -> None:
+        """Run :meth:`run_round` in a background thread while the RL loop goes on (the next
+        rollouts, the next update); :meth:`finish_round` returns its metrics. Every other adapter
+        call first waits for the round, so the replay buffer, the trainer and the store are never
+        used by two threads at once. On a 2-core CPU the round competes with generation for the cores
         (docs/design.md, "Background rounds")."""
         if self._round is not None:
-            raise RuntimeError("a background adapter round is still open: call finish_step() before starting another")
+            raise RuntimeError("a background adapter round is still open: call finish_round() before starting another")
         if self._round_pool is None:
             self._round_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draftadapt-round")
-        self._round = self._round_pool.submit(self._step, force)
+        self._round = self._round_pool.submit(self._run_round, force)
 
-    def finish_step(self) -> dict[str, float]:
-        """Wait for the round :meth:`start_step` began and return its metrics ({} when none is
+    def finish_round(self) -> dict[str, float]:
+        """Wait for the round :meth:`start_round` began and return its metrics ({} when none is
         open); an error raised in the round is raised here."""
         round_, self._round = self._round, None
         return {} if round_ is None else round_.result()
@@ -691,7 +692,7 @@ class DraftAdapter:
     def close(self) -> None:
         """Finish an open background round and stop its thread (nothing else to release)."""
         try:
-            self.finish_step()
+            self.finish_round()
         finally:
             if self._round_pool is not None:
                 self._round_pool.shutdown(wait=True)
@@ -711,7 +712,7 @@ class DraftAdapter:
         (:meth:`DraftStore.swap_newest_into`: never one trained on a newer policy than the engine
         serves, never an older version than it served). Returns the SwapResult or None."""
         self._wait_round()
-        res = self.engines.swap(engine)
+        res = self.swaps.swap(engine)
         if res is not None:
             self._log({"swap/ms": res.ms, "draft/version": float(res.version)})
         return res
@@ -734,7 +735,7 @@ class DraftAdapter:
         "Failures other systems shipped"). Returns True when the draft was intact.
         """
         self._wait_round()
-        intact = self.engines.intact(engine)
+        intact = self.swaps.intact(engine)
         if not intact:
             self._log({"draft/integrity_repairs": 1.0})
         return intact

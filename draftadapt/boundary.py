@@ -2,8 +2,9 @@
 one order, written once.
 
 Every way of attaching draftadapt (the demo's synchronous and asynchronous loops, TRL's
-GRPOTrainer, a Ray fleet of engines, verl) calls :class:`StepBoundary`; none of them writes the
-adapter's calls itself (docs/design.md, "The step boundary").
+GRPOTrainer, a Ray fleet of engines, verl, the sidecar over a spool) calls :class:`StepBoundary`;
+none of them writes the adapter's calls itself (docs/design.md, "The step boundary";
+tests/unit/test_boundary_owner.py fails on a module that does).
 
 Synchronous RL, after the policy update::
 
@@ -15,20 +16,28 @@ from every engine (a policy sync that lost the draft is repaired); the rollouts 
 hand-over observed; the adapter's own policy copy updated; the adapter's round (train, validate,
 publish); the newest draft each engine may serve swapped in.
 
-Asynchronous RL splits it where the generation overlaps: :meth:`learn` beside the generation
-(observe, update the adapter's policy, the round), then at the boundary :meth:`load_policy` and
-:meth:`serve` (integrity, swap).
+Asynchronous RL splits it where the generation overlaps: :meth:`beside_generation` while the next
+batch generates (the trained-on batch's acceptance reported, observe, update the adapter's policy,
+the round), then, the generation done, :meth:`after_generation` (the policy into the engines,
+integrity, swap).
 
 ``background=True`` runs the round in the adapter's thread while the next generation runs
-(:meth:`DraftAdapter.start_step`): :meth:`before_generate` starts it, the next
+(:meth:`DraftAdapter.start_round`): :meth:`before_generate` starts it, the next
 :meth:`after_update` collects it and swaps its draft in first.
+
+The sidecar (no engines; they pick up what it publishes) polls a spool: :meth:`after_poll` takes
+the newest policy checkpoint that fits, observes the new shards and runs a round over them;
+:meth:`resume` re-reads the shards consumed before a restart, then takes the policy.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Iterable, Protocol, Sequence
+
+
+Refuse = Callable[[Any, ValueError], None]  # what to do with input the adapter refused, and why
 
 
 class EngineSet(Protocol):
@@ -93,13 +102,27 @@ class BoundaryResult:
         return self.swaps[-1] if self.swaps else None
 
 
+@dataclass
+class SpoolPoll:
+    """What one poll of a spool did at the boundary (the sidecar's): the policy checkpoint the
+    adapter took (None: none newer, or every newer one refused), the names of the shards it
+    observed, the round's metrics, and the error the round raised (None: it ran; else its shards
+    are the caller's to drop)."""
+
+    policy: Any = None
+    taken: list[str] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)
+    error: Exception | None = None
+
+
 class StepBoundary:
     """The ordered adapter calls at an RL step's boundary (see the module docstring).
 
     adapter: a :class:`~draftadapt.adapter.DraftAdapter` (or its Ray actor's handle wrapper), or
     None for a run without draftadapt (the boundary then only loads the policy); engines: a
-    RolloutEngine, an EngineProcess, a list of them, or a ``DraftFleet``; background: run the
-    round beside the next generation (see :meth:`before_generate`).
+    RolloutEngine, an EngineProcess, a list of them, a ``DraftFleet`` (any :class:`EngineSet`),
+    or None (the sidecar: no engine of its own); background: run the round beside the next
+    generation (see :meth:`before_generate`).
     """
 
     def __init__(self, adapter, engines, background: bool = False):
@@ -108,31 +131,107 @@ class StepBoundary:
         self.background = background
         self._round_due = False
 
-    # ------------------------------------------------------------------ pieces, in order
+    # ------------------------------------------------------------------ events the caller tells
 
-    def report(self, spec) -> dict[str, float]:
+    def report(self, acceptance) -> dict[str, float]:
         """The engine's acceptance counters of the RL batch just generated (free; they feed the
-        adapter's drift trigger). ``spec``: an AcceptanceStats."""
-        if self.adapter is None or not spec.drafts:
+        adapter's drift trigger). ``acceptance``: an AcceptanceStats."""
+        if self.adapter is None or not acceptance.drafts:
             return {}
-        self.adapter.report_measured(spec.length)
-        return {"accept/rl_batch_length": spec.length}
+        self.adapter.report_measured(acceptance.length)
+        return {"accept/rl_batch_length": acceptance.length}
 
     def before_generate(self) -> None:
         """background: start the round the last boundary left due, beside this generation."""
         if self._round_due:
-            self.adapter.start_step()
+            self.adapter.start_round()
             self._round_due = False
 
-    def load_policy(self, weights: Any, version: int) -> float:
+    # ------------------------------------------------------------------ synchronous RL
+
+    def after_update(self, rollouts: Sequence[Any] | None, sampled_version: int, weights: Any, version: int,
+                     handover=None, integrity: bool = True) -> BoundaryResult:
+        """Synchronous RL, right after the trainer's update to policy ``version``: the whole
+        boundary in its order (module docstring). ``rollouts`` None: the engines get the policy
+        and nothing else happens (no batch was generated since the last boundary)."""
+        res = BoundaryResult(policy_load_s=self._load_policy(weights, version))
+        a = self.adapter
+        if a is None or rollouts is None:
+            return res
+        t0 = time.perf_counter()
+        if self.background:
+            # the round started before this step's generation: its draft first, then the checks
+            res.metrics.update(a.finish_round())
+            self._swap(res)
+            if integrity:
+                res.metrics["draft/integrity_ok"] = float(self.engines.check_integrity(a))
+            self._learn(rollouts, sampled_version, weights, version, handover)
+        else:
+            if integrity:
+                res.metrics["draft/integrity_ok"] = float(self.engines.check_integrity(a))
+            res.metrics.update(self._learn(rollouts, sampled_version, weights, version, handover))
+            self._swap(res)
+        res.adapter_s = time.perf_counter() - t0
+        return res
+
+    # ------------------------------------------------------------------ asynchronous RL
+
+    def beside_generation(self, acceptance, rollouts: Sequence[Any], sampled_version: int, weights: Any,
+                          version: int, handover=None) -> dict[str, float]:
+        """Asynchronous RL, while the next batch generates: the acceptance the engine measured on
+        ``rollouts`` reported, then the adapter learns from them (:meth:`_learn`). Metrics of the
+        report and the round ({} without an adapter)."""
+        if self.adapter is None:
+            return {}
+        metrics = self.report(acceptance)
+        metrics.update(self._learn(rollouts, sampled_version, weights, version, handover))
+        return metrics
+
+    def after_generation(self, weights: Any, version: int, integrity: bool = True) -> BoundaryResult:
+        """Asynchronous RL, the generation done: policy ``version`` into every engine, then the
+        live draft's integrity and the newest draft each engine may serve (:meth:`_serve`)."""
+        res = BoundaryResult(policy_load_s=self._load_policy(weights, version))
+        return self._serve(res, integrity)
+
+    # ------------------------------------------------------------------ a spool (the sidecar)
+
+    def after_poll(self, checkpoints: Iterable[Any], shards: Iterable[Any], refuse_policy: Refuse,
+                   refuse_shard: Refuse) -> SpoolPoll:
+        """One poll of a spool, in its order: the adapter's policy copy at the first of
+        ``checkpoints`` it takes (newest first), each of ``shards`` observed, then a round over
+        those taken (none taken: no round). A checkpoint or shard the adapter refuses (a
+        ValueError) goes to ``refuse_policy`` / ``refuse_shard`` with the error; a round that
+        raises comes back in ``error``. Shards and checkpoints as the spool reads them
+        (``RolloutShard``, ``PolicyCheckpoint``)."""
+        poll = SpoolPoll(policy=self._take_policy(checkpoints, refuse_policy),
+                         taken=self._observe_shards(shards, refuse_shard))
+        if not poll.taken:
+            return poll
+        try:
+            poll.metrics = self.adapter.run_round()
+        except Exception as exc:  # noqa: BLE001 - whatever a round raises, the caller drops its shards
+            poll.error = exc
+        return poll
+
+    def resume(self, consumed: Iterable[Any], checkpoints: Iterable[Any], skip_shard: Refuse,
+               refuse_policy: Refuse) -> SpoolPoll:
+        """After a restart: the shards consumed before it observed again (the replay buffer as it
+        was; one refused now goes to ``skip_shard``), then the policy as :meth:`after_poll` takes
+        it. No round."""
+        taken = self._observe_shards(consumed, skip_shard)
+        return SpoolPoll(policy=self._take_policy(checkpoints, refuse_policy), taken=taken)
+
+    # ------------------------------------------------------------------ the pieces the orders are made of
+
+    def _load_policy(self, weights: Any, version: int) -> float:
         """The new policy into every engine; returns the seconds it took."""
         t0 = time.perf_counter()
         if self.engines is not None:
             self.engines.update_policy(weights, version)
         return time.perf_counter() - t0
 
-    def learn(self, rollouts: Sequence[Any], sampled_version: int, weights: Any, version: int,
-              handover=None) -> dict[str, float]:
+    def _learn(self, rollouts: Sequence[Any], sampled_version: int, weights: Any, version: int,
+               handover=None) -> dict[str, float]:
         """The adapter's side of a step: observe the rollouts (sampled at ``sampled_version``)
         with the trainer's hand-over, load the policy's ``version`` into its own copy, run its
         round (or leave it due, background). Metrics of the round."""
@@ -142,12 +241,11 @@ class StepBoundary:
         if self.background:
             self._round_due = True
             return {}
-        return a.step()
+        return a.run_round()
 
-    def serve(self, res: BoundaryResult | None = None, integrity: bool = True) -> BoundaryResult:
+    def _serve(self, res: BoundaryResult, integrity: bool = True) -> BoundaryResult:
         """Engine side: the live draft's integrity read back (repaired if a sync lost it), then
         the newest draft each engine may serve swapped in."""
-        res = res or BoundaryResult()
         if self.adapter is None:
             return res
         t0 = time.perf_counter()
@@ -163,29 +261,27 @@ class StepBoundary:
         if swaps:
             res.metrics["swap/ms"] = max(s.ms for s in swaps)
 
-    # ------------------------------------------------------------------ the whole boundary
+    def _take_policy(self, checkpoints: Iterable[Any], refuse: Refuse) -> Any:
+        """The adapter's policy copy at the first checkpoint it takes; the checkpoint, or None."""
+        for ckpt in checkpoints:
+            try:
+                self.adapter.update_policy(ckpt.state_dict(), ckpt.version)
+            except ValueError as exc:
+                refuse(ckpt, exc)
+                continue
+            return ckpt
+        return None
 
-    def after_update(self, rollouts: Sequence[Any] | None, sampled_version: int, weights: Any, version: int,
-                     handover=None, integrity: bool = True) -> BoundaryResult:
-        """Synchronous RL, right after the trainer's update to policy ``version``: the whole
-        boundary in its order (module docstring). ``rollouts`` None: the engines get the policy
-        and nothing else happens (no batch was generated since the last boundary)."""
-        res = BoundaryResult(policy_load_s=self.load_policy(weights, version))
-        a = self.adapter
-        if a is None or rollouts is None:
-            return res
-        t0 = time.perf_counter()
-        if self.background:
-            # the round started before this step's generation: its draft first, then the checks
-            res.metrics.update(a.finish_step())
-            self._swap(res)
-            if integrity:
-                res.metrics["draft/integrity_ok"] = float(self.engines.check_integrity(a))
-            self.learn(rollouts, sampled_version, weights, version, handover)
-        else:
-            if integrity:
-                res.metrics["draft/integrity_ok"] = float(self.engines.check_integrity(a))
-            res.metrics.update(self.learn(rollouts, sampled_version, weights, version, handover))
-            self._swap(res)
-        res.adapter_s = time.perf_counter() - t0
-        return res
+    def _observe_shards(self, shards: Iterable[Any], refuse: Refuse) -> list[str]:
+        """Each shard's rollouts (and hidden states) observed under its name; the names taken."""
+        taken = []
+        for shard in shards:
+            try:
+                self.adapter.observe([(p, r) for p, r in zip(shard.prompt_ids, shard.response_ids)],
+                                     policy_version=shard.policy_version, hidden_states=shard.aux_hidden,
+                                     source=shard.name)
+            except ValueError as exc:
+                refuse(shard, exc)
+                continue
+            taken.append(shard.name)
+        return taken

@@ -186,7 +186,7 @@ def _dispatch(args) -> int:
 
         return smollm2_build(out=args.out, dtype=args.dtype)
     if args.command == "draft":
-        from draftadapt.init import init_cli
+        from draftadapt.draft_init import init_cli
 
         return init_cli(
             target=args.target, method=args.method, out=args.out, fmt=args.format,

@@ -167,7 +167,7 @@ def evaluate(cfg: EvaluateConfig, repeats: int = 1, threads: int | None = None,
     prompts = prompts if prompts is not None else eval_prompts(target, num_prompts, seed, toy)
     spec_runs = _run_engine(target, draft, method, k, [prompts], temperature, max_tokens, seed, repeats, threads)[0]
     plain_runs = _run_engine(target, None, None, k, [prompts], temperature, max_tokens, seed, repeats, threads)[0]
-    spec = _sum_stats([r.spec for r in spec_runs])
+    acceptance = _sum_stats([r.acceptance for r in spec_runs])
     tps_spec = max(r.tokens_per_s for r in spec_runs)
     tps_plain = max(r.tokens_per_s for r in plain_runs)
     t0 = time.perf_counter()
@@ -176,7 +176,7 @@ def evaluate(cfg: EvaluateConfig, repeats: int = 1, threads: int | None = None,
     visited, uniform = simulate_on_rollouts(target, draft, method, spec_runs[0].rollouts, k, temperature,
                                             threads=threads or 1)
     sim_seconds = time.perf_counter() - t0
-    measured = spec.length
+    measured = acceptance.length
     speedup = tps_spec / tps_plain
     n = len(prompts)
     return {
@@ -188,13 +188,13 @@ def evaluate(cfg: EvaluateConfig, repeats: int = 1, threads: int | None = None,
         "acceptance_length_simulated": round(visited.length, 4),
         "acceptance_length_simulated_all_starts": round(uniform.length, 4),
         "simulated_vs_measured": round(visited.length / measured - 1.0, 4),
-        "per_position_acceptance": [round(x, 4) for x in spec.per_position],
+        "per_position_acceptance": [round(x, 4) for x in acceptance.per_position],
         "per_position_acceptance_simulated": [round(x, 4) for x in visited.per_position],
-        "drafts": spec.drafts,
+        "drafts": acceptance.drafts,
         "tokens_per_s_spec": round(tps_spec, 1),
         "tokens_per_s_plain": round(tps_plain, 1),
         "speedup": round(speedup, 4),
-        # With n sequences decoding in lockstep a step emits n tokens (plain) or n * L (spec):
+        # With n sequences decoding in lockstep a step emits n tokens (plain) or n * L (speculating):
         # the cost of one speculative step relative to a plain one is L / speedup.
         "ms_per_step_plain_est": round(1e3 * n / tps_plain, 2),
         "ms_per_step_spec_est": round(1e3 * n * measured / tps_spec, 2),
@@ -227,7 +227,7 @@ def k_table(cfg: EvaluateConfig, threads: int | None = None, toy: ToyWorld | Non
         runs = _run_engine(target, draft if k else None, method if k else None, max(k, 1), [prompts[:b] for b in bss],
                            cfg.temperature, cfg.max_tokens, cfg.seed, cfg.table_repeats, threads)
         for b, rs in zip(bss, runs):
-            cells[(k, b)] = (max(r.tokens_per_s for r in rs), _sum_stats([r.spec for r in rs]))
+            cells[(k, b)] = (max(r.tokens_per_s for r in rs), _sum_stats([r.acceptance for r in rs]))
         bar.update(1)
     bar.close()
 

@@ -4,12 +4,12 @@
     online = OnlineK.calibrate(engine, prompts)      # a few seconds: this engine's step costs
     for step in rl_steps:
         result = engine.generate(prompts, ...)
-        online.update(engine, result.spec)          # the next generations draft the chosen k
+        online.update(engine, result.acceptance)    # the next generations draft the chosen k
 
 The engine is started at the largest k with vLLM's per-batch-size k table
 (``num_speculative_tokens_per_batch_size``); every update recomputes the acceptance length of
 each k from the engine's own per-position counters of the step just generated (free: the RL
-batch's ``GenerateResult.spec``), combines it with the step-cost model fitted at start
+batch's ``GenerateResult.acceptance``), combines it with the step-cost model fitted at start
 (``metrics/kcost.py``) and writes the argmax k per batch size into the running engine's table,
 0 where no draft pays (docs/design.md, "Online k").
 """
@@ -122,11 +122,11 @@ class OnlineK:
             n += 1
         return n
 
-    def observe(self, spec: AcceptanceStats) -> None:
+    def observe(self, acceptance: AcceptanceStats) -> None:
         """Fold one generation's counters in (older ones weigh ``decay`` per step)."""
-        if spec.k and spec.k != self.k_max:
-            raise ValueError(f"acceptance counts for k={spec.k} from an engine started at k_max={self.k_max}")
-        self.counts = self.counts.scaled(self.decay) + spec
+        if acceptance.k and acceptance.k != self.k_max:
+            raise ValueError(f"acceptance counts for k={acceptance.k} from an engine started at k_max={self.k_max}")
+        self.counts = self.counts.scaled(self.decay) + acceptance
 
     def choose(self) -> KSchedule:
         """The k table for the current counts: the argmax k per batch size. At least one draft
@@ -164,11 +164,11 @@ class OnlineK:
             engine.set_k_schedule(schedule)
         return changed
 
-    def update(self, engine, spec: AcceptanceStats) -> dict[str, float]:
-        """Fold ``spec`` (the step's ``GenerateResult.spec``) in, re-choose, and write the table
-        into ``engine`` in place when it changed. Returns metrics: the k at each calibrated batch
-        size (``k/b<N>``), whether the table changed, and the rates the choice used."""
-        self.observe(spec)
+    def update(self, engine, acceptance: AcceptanceStats) -> dict[str, float]:
+        """Fold ``acceptance`` (the step's ``GenerateResult.acceptance``) in, re-choose, and write
+        the table into ``engine`` in place when it changed. Returns metrics: the k at each
+        calibrated batch size (``k/b<N>``), whether the table changed, and the rates the choice used."""
+        self.observe(acceptance)
         changed = self._write(engine)
         out = {f"k/b{b}": float(k_at(engine.k_schedule, b)) for b in self.model.batch_sizes}
         out["k/changed"] = float(changed)
@@ -217,10 +217,10 @@ class OnlineK:
                         finally:
                             gc.enable()
                         if k == k_max:
-                            counts = counts + res.spec
+                            counts = counts + res.acceptance
                         if best is None or res.tokens_per_s > best.tokens_per_s:
                             best = res
-                    length = best.spec.length if k else 1.0
+                    length = best.acceptance.length if k else 1.0
                     points.append((k, b, step_seconds(b, best.tokens_per_s, length)))
             online = cls(fit_step_costs(points), engine.max_num_seqs, k_max, cfg.decay, counts, cfg.margin,
                          cfg.min_reach, cfg.prior_drafts)

@@ -123,7 +123,7 @@ class PretrainConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def validate(self) -> None:
-        from draftadapt.drafts.spec import METHODS
+        from draftadapt.drafts.serving import METHODS
 
         if self.method not in METHODS:
             raise ConfigError(f"method {self.method!r}: use one of {', '.join(METHODS)}")

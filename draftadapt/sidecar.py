@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from draftadapt.adapter import AdapterConfig, DraftAdapter
+from draftadapt.boundary import SpoolPoll, StepBoundary
 from draftadapt.config import ConfigError, load_config
 from draftadapt.spool import SpoolCursor, SpoolReader
 from draftadapt.spool.format import POLICY_DIR
@@ -65,6 +66,7 @@ class Sidecar:
         self.logger = make_logger(self.cfg.log, self.state_dir, stdout_keys=(
             "adapt/published", "accept/simulated_length", "train/loss", "draft/published_version"))
         self.adapter = DraftAdapter(target, draft, self.out, self.cfg.adapter, logger=self.logger)
+        self.boundary = StepBoundary(self.adapter, None)  # the engines pick up what it publishes
         self.cursor = SpoolCursor()
         self._restore()
 
@@ -72,82 +74,74 @@ class Sidecar:
 
     def _restore(self) -> None:
         """After a restart: the consumed shards go back into the replay buffer, the policy to its newest."""
-        if self.state_path.is_file():
+        restarted = self.state_path.is_file()
+        if restarted:
             state = json.loads(self.state_path.read_text())
             self.cursor = SpoolCursor.from_dict(state["cursor"])
-            rebuilt = 0
-            for ref in self.reader.shards():
-                if ref.name in self.cursor:
-                    try:
-                        shard = self.reader.load(ref)
-                    except Exception as exc:  # noqa: BLE001 - a shard gone bad since: skip it, keep going
-                        log.warning("sidecar: could not reload consumed shard %s: %s", ref.name, exc)
-                        continue
-                    try:
-                        self._observe(shard)
-                    except ValueError as exc:
-                        log.warning("sidecar: consumed shard %s is refused now (%s); skipped", ref.name, exc)
-                        continue
-                    rebuilt += 1
-            log.info("sidecar: restored cursor of %d shards, %d re-read into the replay buffer", len(self.cursor), rebuilt)
-        self._sync_policy()
+        poll = self.boundary.resume(self._consumed() if restarted else (), self._checkpoints(),
+                                    self._skip_consumed, self._refuse_policy)
+        if restarted:
+            log.info("sidecar: restored cursor of %d shards, %d re-read into the replay buffer",
+                     len(self.cursor), len(poll.taken))
+        self._log_policy(poll)
 
     def _save(self) -> None:
         atomic_write_json(self.state_path, {"cursor": self.cursor.to_dict(),
                                             "policy_version": self.adapter.policy_version})
 
-    def _observe(self, shard) -> None:
-        self.adapter.observe(
-            [(p, r) for p, r in zip(shard.prompt_ids, shard.response_ids)],
-            policy_version=shard.policy_version,
-            hidden_states=shard.aux_hidden,
-            source=shard.name,
-        )
+    # ------------------------------------------------------------------ what the boundary reads, and refuses
 
-    def _sync_policy(self) -> bool:
-        """Load the newest policy checkpoint that fits; one that does not is quarantined."""
-        while True:
-            ckpt = self.reader.latest_policy(newer_than=self.adapter.policy_version)
-            if ckpt is None:
-                return False
-            try:
-                self.adapter.update_policy(ckpt.state_dict(), ckpt.version)
-            except ValueError as exc:
-                self.reader.quarantine(ckpt.name, f"refused by the adapter: {exc}", kind=POLICY_DIR)
-                continue
-            log.info("sidecar: policy now at version %d", ckpt.version)
-            return True
+    def _consumed(self):
+        """The shards consumed before a restart, read again (one gone bad since is skipped)."""
+        for ref in self.reader.shards():
+            if ref.name in self.cursor:
+                try:
+                    yield self.reader.load(ref)
+                except Exception as exc:  # noqa: BLE001 - a shard gone bad since: skip it, keep going
+                    log.warning("sidecar: could not reload consumed shard %s: %s", ref.name, exc)
+
+    def _checkpoints(self):
+        """The newest policy checkpoint newer than the adapter's, asked again after each refusal."""
+        while (ckpt := self.reader.latest_policy(newer_than=self.adapter.policy_version)) is not None:
+            yield ckpt
+
+    def _skip_consumed(self, shard, exc: ValueError) -> None:
+        log.warning("sidecar: consumed shard %s is refused now (%s); skipped", shard.name, exc)
+
+    def _refuse_shard(self, shard, exc: ValueError) -> None:
+        self.reader.quarantine(shard.name, f"refused by the adapter: {exc}")
+
+    def _refuse_policy(self, ckpt, exc: ValueError) -> None:
+        """A policy checkpoint that does not fit is quarantined; the next newest is tried."""
+        self.reader.quarantine(ckpt.name, f"refused by the adapter: {exc}", kind=POLICY_DIR)
+
+    def _log_policy(self, poll: SpoolPoll) -> None:
+        if poll.policy is not None:
+            log.info("sidecar: policy now at version %d", poll.policy.version)
 
     # ------------------------------------------------------------------ loop
 
     def run_once(self) -> int:
-        """Poll once: new policy, new shards, maybe train and publish. Returns shards consumed."""
-        self._sync_policy()
-        taken: list[str] = []
-        for shard in self.reader.poll(self.cursor):
-            try:
-                self._observe(shard)
-            except ValueError as exc:
-                self.reader.quarantine(shard.name, f"refused by the adapter: {exc}")
-                continue
-            taken.append(shard.name)
-        if not taken:
+        """Poll once: new policy, new shards, maybe train and publish (the boundary's order).
+        Returns shards consumed."""
+        poll = self.boundary.after_poll(self._checkpoints(), self.reader.poll(self.cursor),
+                                        self._refuse_policy, self._refuse_shard)
+        self._log_policy(poll)
+        if not poll.taken:
             return 0
-        try:
-            metrics = self.adapter.step()
-        except Exception as exc:  # noqa: BLE001 - whatever a round raises, its shards go, the loop stays
-            log.exception("sidecar: a round on %s failed", taken)
-            for name in taken:
+        if poll.error is not None:  # the round failed: its shards go, the loop stays
+            log.error("sidecar: a round on %s failed", poll.taken, exc_info=poll.error)
+            for name in poll.taken:
                 self.adapter.forget(name)
-                self.reader.quarantine(name, f"a round on it failed: {type(exc).__name__}: {exc}")
+                self.reader.quarantine(name, f"a round on it failed: {type(poll.error).__name__}: {poll.error}")
             return 0
-        for name in taken:  # consumed only now that their round ran
+        for name in poll.taken:  # consumed only now that their round ran
             self.cursor.mark(name)
         self._save()
-        self.logger.log_dict({**metrics, "spool/shards": float(len(taken)),
+        self.logger.log_dict({**poll.metrics, "spool/shards": float(len(poll.taken)),
                               "replay/seqs": float(len(self.adapter.replay))},
                              step=self.adapter.policy_version)
-        return len(taken)
+        return len(poll.taken)
 
     def run(self) -> int:
         idle_since = time.monotonic()

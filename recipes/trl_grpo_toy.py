@@ -137,7 +137,7 @@ def measure(engine, prompts: list[str], cfg: TRLToyConfig) -> dict:
         res = engine.generate(prompts, temperature=cfg.temperature, max_tokens=cfg.max_tokens, seed=cfg.eval_seed)
     finally:
         gc.enable()
-    return {"acceptance_length": res.spec.length, "per_position": res.spec.per_position,
+    return {"acceptance_length": res.acceptance.length, "per_position": res.acceptance.per_position,
             "tokens_per_s": res.tokens_per_s, "tokens": res.num_tokens, "seconds": res.seconds}
 
 

@@ -123,9 +123,9 @@ def verl_env(cfg: VerlToyConfig) -> dict[str, str]:
 
 def verl_overrides(cfg: VerlToyConfig, paths: dict[str, Path], out: Path, arm: Path) -> list[str]:
     batch = cfg.prompts_per_step * cfg.group_size
-    from draftadapt.drafts.spec import spec_for
+    from draftadapt.drafts.serving import serving_for
 
-    spec = json.dumps(spec_for("eagle3").speculative_config(paths["draft"], cfg.k, 32 + cfg.max_tokens))
+    speculative_config = json.dumps(serving_for("eagle3").speculative_config(paths["draft"], cfg.k, 32 + cfg.max_tokens))
     if cfg.adapt:
         from draftadapt.config import save_config
 
@@ -156,7 +156,7 @@ def verl_overrides(cfg: VerlToyConfig, paths: dict[str, Path], out: Path, arm: P
         # by verl (enable_train stays off)
         "actor_rollout_ref.model.mtp.enable=True", "actor_rollout_ref.model.mtp.enable_rollout=True",
         "actor_rollout_ref.model.mtp.method=eagle3", f"actor_rollout_ref.model.mtp.num_speculative_tokens={cfg.k}",
-        f"+actor_rollout_ref.rollout.engine_kwargs.vllm.speculative_config='{spec}'",
+        f"+actor_rollout_ref.rollout.engine_kwargs.vllm.speculative_config='{speculative_config}'",
         # vLLM's per-request counters (verl reads them from each request's metrics)
         "+actor_rollout_ref.rollout.engine_kwargs.vllm.per_request_spec_decode_metrics=summary",
         f"+actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls={WORKER_EXTENSION}",

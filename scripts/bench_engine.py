@@ -37,7 +37,7 @@ def main() -> int:
     args = ap.parse_args()
 
     from draftadapt.drafts.formats import META_FILE
-    from draftadapt.init import init_draft
+    from draftadapt.draft_init import init_draft
     from draftadapt.engine.rollout import RolloutEngine, median, percentile
     from draftadapt.toy.task import load_heldout
 
@@ -69,13 +69,13 @@ def main() -> int:
 
     def timed(engine) -> tuple[float, object]:
         engine.generate(prompts[:8], temperature=1.0, max_tokens=16, seed=0)  # warm up
-        tok, sec, spec = 0, 0.0, None
+        tok, sec, acceptance = 0, 0.0, None
         for r in range(args.rounds):
             res = engine.generate(prompts, temperature=1.0, max_tokens=args.max_tokens, seed=1000 * r)
             tok += res.num_tokens
             sec += res.seconds
-            spec = res.spec if spec is None else spec + res.spec
-        return tok / sec, spec
+            acceptance = res.acceptance if acceptance is None else acceptance + res.acceptance
+        return tok / sec, acceptance
 
     def bench(in_process: bool) -> dict:
         r: dict = {}
@@ -91,10 +91,10 @@ def main() -> int:
             r["swap_ms_p95"] = round(percentile(ms, 95), 2)
             r["swap_distinct_checksums"] = len(checks)
             eng.swap_draft(draft)
-            tps_spec, spec = timed(eng)
+            tps_spec, acceptance = timed(eng)
             r["tokens_per_s_spec"] = round(tps_spec, 1)
-            r["acceptance_length"] = round(spec.length, 3)
-            r["per_position_acceptance"] = [round(x, 3) for x in spec.per_position]
+            r["acceptance_length"] = round(acceptance.length, 3)
+            r["per_position_acceptance"] = [round(x, 3) for x in acceptance.per_position]
         finally:
             eng.close()
         plain = RolloutEngine(toy, None, in_process=in_process)

@@ -85,16 +85,16 @@ def main() -> int:
     results: dict = {"run": str(run), "prompts": len(prompts), "rounds": args.rounds, "by_k": {}}
     try:
         for k in ks:
-            spec = RolloutEngine(policy, drafts["adapted"], method="eagle3", num_speculative_tokens=k,
+            spec_engine = RolloutEngine(policy, drafts["adapted"], method="eagle3", num_speculative_tokens=k,
                                  threads=threads, seed=0)
             tok: dict[str, list] = {}
             try:
                 for _ in tqdm(range(args.rounds), desc=f"k={k}", file=sys.stderr):
                     tok.setdefault("plain", []).append(measure(plain))
                     for arm, path in drafts.items():
-                        tok.setdefault(arm, []).append(measure(spec, path))
+                        tok.setdefault(arm, []).append(measure(spec_engine, path))
             finally:
-                spec.close()
+                spec_engine.close()
             tps = {arm: sum(t for t, _, _ in ms) / sum(s for _, s, _ in ms) for arm, ms in tok.items()}
             row = {arm: {"acceptance_length": round(ms[0][2], 3),  # same seeds every round: same tokens
                          "tokens_per_s": round(tps[arm], 1),

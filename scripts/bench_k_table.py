@@ -57,7 +57,7 @@ def main() -> int:
                     if k is not None:
                         engine.set_k_schedule([(1, 64, k)])
                     res = engine.generate(prompts[:b], max_tokens=args.max_tokens, seed=0)
-                    length = res.spec.length if res.spec.drafts else 1.0
+                    length = res.acceptance.length if res.acceptance.drafts else 1.0
                     ms = 1e3 * step_seconds(b, res.tokens_per_s, length)
                     if (name, b) not in best or ms < best[(name, b)][0]:
                         best[(name, b)] = (ms, length)

@@ -108,12 +108,12 @@ def measure_arm(target: Path, draft: Path | None, method: str, prompts: list[str
     finally:
         engine.close()
     best = max(range(len(runs)), key=lambda i: runs[i].tokens_per_s)
-    spec = runs[0].spec
+    acceptance = runs[0].acceptance
     for r in runs[1:]:
-        spec = spec + r.spec
+        acceptance = acceptance + r.acceptance
     out = {"tokens_per_s": runs[best].tokens_per_s, "seconds": runs[best].seconds, "tokens": runs[best].num_tokens,
-           "acceptance_length": spec.length if draft is not None else 1.0,
-           "per_position": spec.per_position if draft is not None else [], "rollouts": runs[0].rollouts}
+           "acceptance_length": acceptance.length if draft is not None else 1.0,
+           "per_position": acceptance.per_position if draft is not None else [], "rollouts": runs[0].rollouts}
     if timers:
         t = timers[best]
         steps = max(t["steps"], 1)

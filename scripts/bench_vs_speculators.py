@@ -261,11 +261,11 @@ def acceptance(toy: Path, draft: Path, prompts: list[str], max_tokens: int) -> d
     engine = RolloutEngine(toy, draft, method="eagle3", num_speculative_tokens=K, max_model_len=256,
                            max_num_seqs=64, kv_cache_gib=1, seed=0)
     try:
-        spec = engine.generate(prompts, temperature=TEMPERATURE, max_tokens=max_tokens, seed=0).spec
+        acceptance = engine.generate(prompts, temperature=TEMPERATURE, max_tokens=max_tokens, seed=0).acceptance
     finally:
         engine.close()
-    return {"acceptance_length": round(spec.length, 4), "per_position": [round(x, 4) for x in spec.per_position],
-            "drafts": int(spec.drafts)}
+    return {"acceptance_length": round(acceptance.length, 4), "per_position": [round(x, 4) for x in acceptance.per_position],
+            "drafts": int(acceptance.drafts)}
 
 
 # ---------------------------------------------------------------------------------------------- main

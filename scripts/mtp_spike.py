@@ -264,7 +264,7 @@ def serve(model: Path, method: str | None, k: int, n: int, max_tokens: int, resu
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from draftadapt.engine.rollout import _attach_spec_counter
+    from draftadapt.engine.rollout import _attach_acceptance_counter
     from draftadapt.engine.worker_ext import WorkerCall
 
     spec = None if method is None else {"method": method, "num_speculative_tokens": k}
@@ -273,7 +273,7 @@ def serve(model: Path, method: str | None, k: int, n: int, max_tokens: int, resu
               dtype="float32", enforce_eager=True, disable_log_stats=False, distributed_executor_backend="uni",
               worker_extension_cls="draftadapt.engine.worker_ext.DraftAdaptWorkerExtension")
     startup = time.time() - t0
-    counter = _attach_spec_counter(llm)
+    counter = _attach_acceptance_counter(llm)
     ps = prompts(n)
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     t0 = time.time()

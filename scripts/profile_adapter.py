@@ -3,7 +3,7 @@
     python scripts/profile_adapter.py --spool SPOOL --target POLICY_DIR --draft DRAFT_DIR \\
         [--steps 3] [--top 25] [--set "train.batch_size=16 schedule.train_steps=20"] [--no-handover]
 
-Replays the first ``--steps`` recorded RL steps into an adapter (observe, update_policy, step),
+Replays the first ``--steps`` recorded RL steps into an adapter (observe, update_policy, run_round),
 as scripts/replay_adapter.py does, then runs one more step under cProfile and prints the
 cumulative-time table of that step alone. With a hand-over (the default) the rollouts'
 states come from a forward of the sampling policy, as the RL trainer's own pass hands them
@@ -67,11 +67,11 @@ def main(argv: list[str] | None = None) -> int:
             adapter.update_policy(ckpt.state_dict(), version=steps[i + 1][1])
             if i == args.steps:
                 break
-            adapter.step()
+            adapter.run_round()
         prof = cProfile.Profile()
         t0 = time.perf_counter()
         prof.enable()
-        m = adapter.step()
+        m = adapter.run_round()
         prof.disable()
         seconds = time.perf_counter() - t0
     buf = io.StringIO()

@@ -8,7 +8,7 @@ with ``spool=DIR``): rollout shards per step and the policy checkpoint after eac
 config (``--try``: AdapterConfig overrides, ``key=value`` separated by spaces; "" = the library
 defaults; ``targets=current`` recaptures against the newest policy instead of taking the
 sampling policy's states over, as a hand-over from the RL trainer's forward does) sees exactly the same inputs, in the order the run produced them:
-observe(step s's rollouts, version v) -> update_policy(v + 1) -> step(), then the live draft
+observe(step s's rollouts, version v) -> update_policy(v + 1) -> run_round(), then the live draft
 is scored (simulated acceptance length, vLLM's greedy drafting) on the rollouts of step s + 1,
 which the new policy sampled and no config has trained on yet. The starting draft is scored on
 the same sets ("frozen"). In a live run the trajectory itself depends on the draft (rejection
@@ -145,7 +145,7 @@ def replay(spool: Path, target: Path, draft: Path, overrides: list[str], eval_se
                     raise ValueError(f"{spool} has rollouts of policy version {nxt_version} but no checkpoint of it")
                 adapter.update_policy(ckpt.state_dict(), version=nxt_version)
             t0 = time.perf_counter()
-            m = adapter.step()
+            m = adapter.run_round()
             adapt_s += time.perf_counter() - t0
             if emulate:
                 adapter.cost.credit(rl_step_s)

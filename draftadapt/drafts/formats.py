@@ -29,7 +29,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from draftadapt.drafts.eagle3 import LAYER_FIELDS, Eagle3Config, Eagle3Head
-from draftadapt.drafts.spec import DraftFormatError  # defined torch-free; callers keep formats.DraftFormatError
+from draftadapt.drafts.serving import DraftFormatError  # defined torch-free; callers keep formats.DraftFormatError
 from draftadapt.drafts.vocab import check_vocab_map
 from draftadapt.fileio import atomic_path, atomic_write_json, bytes_sha256, file_sha256, fsync_dir
 

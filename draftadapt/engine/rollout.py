@@ -34,7 +34,7 @@ from draftadapt.drafts.formats import (
     target_fingerprint,
 )
 from draftadapt.drafts.mtp import PREFIX as MTP_PREFIX
-from draftadapt.drafts.spec import check_serves, spec_for
+from draftadapt.drafts.serving import check_serves, serving_for
 from draftadapt.engine.cpu_fix import guard_llvmlite_lib
 from draftadapt.engine.worker_ext import WorkerCall
 from draftadapt.metrics.acceptance import AcceptanceStats
@@ -68,7 +68,7 @@ class Rollout:
 @dataclass
 class GenerateResult:
     rollouts: list[Rollout]
-    spec: AcceptanceStats
+    acceptance: AcceptanceStats  # the speculative-decoding counters of this call
     seconds: float
 
     @property
@@ -87,7 +87,7 @@ class SwapResult:
     ms: float  # wall time of the swap round trip
 
 
-class _SpecCounter:
+class _AcceptanceCounter:
     """A vLLM stat logger of this engine's own: sums the scheduler's speculative-decoding stats.
 
     vLLM's Prometheus metrics live in one process-wide registry that every new ``LLM`` clears
@@ -120,11 +120,11 @@ class _SpecCounter:
         return self.totals + AcceptanceStats()  # a copy: the totals keep growing
 
 
-def _attach_spec_counter(llm) -> _SpecCounter:
+def _attach_acceptance_counter(llm) -> _AcceptanceCounter:
     manager = getattr(llm.llm_engine, "logger_manager", None)
     if manager is None:
         raise RuntimeError("this vLLM engine has no stat logger manager; start it with disable_log_stats=False")
-    counter = _SpecCounter()
+    counter = _AcceptanceCounter()
     manager.stat_loggers.append(counter)
     return counter
 
@@ -218,10 +218,10 @@ class RolloutEngine:
         # the host's streams continue as if no engine had started (requests use their own seeds).
         rng_before = _host_rng_state()
         self.target = Path(target)
-        spec_method, speculate, spec = self._plan_speculation(draft, method, num_speculative_tokens,
-                                                              max_model_len, k_schedule)
-        meta = self._check_target_and_draft(draft, spec_method, speculate, dtype)
-        self._start(spec, in_process, kv_cache_gib, threads, max_model_len=max_model_len,
+        serving, speculate, speculative_config = self._plan_speculation(draft, method, num_speculative_tokens,
+                                                                         max_model_len, k_schedule)
+        meta = self._check_target_and_draft(draft, serving, speculate, dtype)
+        self._start(speculative_config, in_process, kv_cache_gib, threads, max_model_len=max_model_len,
                     max_num_seqs=max_num_seqs, seed=seed, logprobs_mode=logprobs_mode,
                     # every waiting prompt prefilled whole: vLLM 0.32 rewinds a seeded request's
                     # generator when its prefill is split over two steps, and a CPU generator has
@@ -231,7 +231,7 @@ class RolloutEngine:
                     enforce_eager=enforce_eager, **({} if block_size is None else {"block_size": block_size}))
         self.max_num_seqs = max_num_seqs
         self._record_what_serves(meta, speculate)
-        if speculate and spec_method.in_target and draft is not None:
+        if speculate and serving.in_target and draft is not None:
             # vLLM started the drafter with the target's own MTP layers: the draft dir's go in now
             self.swap_draft(draft)
         _restore_host_rng(rng_before)
@@ -246,21 +246,22 @@ class RolloutEngine:
         if method is None and draft is not None:
             raise ValueError(f"a draft ({draft}) needs a method; pass method='eagle3', 'draft_model' or 'mtp'")
         model_free = draft is None and method in MODEL_FREE_METHODS
-        spec_method = None if method is None or model_free else spec_for(method)
-        speculate = draft is not None or (spec_method is not None and spec_method.in_target)
+        serving = None if method is None or model_free else serving_for(method)
+        speculate = draft is not None or (serving is not None and serving.in_target)
         self.method = method if speculate or model_free else None
         self.k = k if speculate or model_free else 0
-        spec = None
+        speculative_config = None
         if speculate:
-            spec = spec_method.speculative_config(draft, k, max_model_len)
+            speculative_config = serving.speculative_config(draft, k, max_model_len)
         elif model_free:
-            spec = {"method": method, "num_speculative_tokens": k, **MODEL_FREE_METHODS[method]}
-        if spec is not None and k_schedule is not None:
-            spec["num_speculative_tokens_per_batch_size"] = [tuple(int(v) for v in r) for r in k_schedule]
-        self._k_schedule = [tuple(int(v) for v in r) for r in k_schedule] if spec is not None and k_schedule else None
-        return spec_method, speculate, spec
+            speculative_config = {"method": method, "num_speculative_tokens": k, **MODEL_FREE_METHODS[method]}
+        if speculative_config is not None and k_schedule is not None:
+            speculative_config["num_speculative_tokens_per_batch_size"] = [tuple(int(v) for v in r) for r in k_schedule]
+        self._k_schedule = ([tuple(int(v) for v in r) for r in k_schedule]
+                            if speculative_config is not None and k_schedule else None)
+        return serving, speculate, speculative_config
 
-    def _check_target_and_draft(self, draft, spec_method, speculate: bool, dtype) -> dict[str, Any]:
+    def _check_target_and_draft(self, draft, serving, speculate: bool, dtype) -> dict[str, Any]:
         """Checks that vLLM would otherwise fail on late and cryptically (or not at all); the
         target's identity is what every swapped-in draft is held against. Sets the serving dtype
         and the tensor shapes a swap must match; returns the draft's manifest ({} without one)."""
@@ -271,7 +272,7 @@ class RolloutEngine:
         meta: dict[str, Any] = {}
         if draft is not None:
             meta = check_draft_for_target(draft, self.target)
-            check_serves(spec_method, draft, meta.get("format"), "start the engine with method='{method}'")
+            check_serves(serving, draft, meta.get("format"), "start the engine with method='{method}'")
             self.draft_dir = Path(draft)
             self._draft_ref_shapes = _weight_shapes(self.draft_dir / WEIGHTS_FILE)
         elif speculate:  # the target's own MTP layers serve; a swap must match their tensors
@@ -279,7 +280,7 @@ class RolloutEngine:
                                       if k.startswith(MTP_PREFIX)}
         return meta
 
-    def _start(self, spec: dict | None, in_process: bool | None, kv_cache_gib: int, threads: int | None,
+    def _start(self, speculative_config: dict | None, in_process: bool | None, kv_cache_gib: int, threads: int | None,
                **llm_args) -> None:
         """vLLM's ``LLM`` on the target; the host's environment, torch thread count and
         ``torch.set_num_threads`` as they were (the thread count: ``threads`` in process)."""
@@ -301,7 +302,7 @@ class RolloutEngine:
         guard_llvmlite_lib()
         t0 = time.perf_counter()
         try:
-            self.llm = LLM(model=str(self.target), speculative_config=spec, dtype=self.dtype,
+            self.llm = LLM(model=str(self.target), speculative_config=speculative_config, dtype=self.dtype,
                            disable_log_stats=False, worker_extension_cls=WORKER_EXT,
                            distributed_executor_backend="uni" if in_process else "mp", **llm_args)
         finally:
@@ -320,7 +321,7 @@ class RolloutEngine:
 
     def _record_what_serves(self, meta: dict[str, Any], speculate: bool) -> None:
         """The engine's counters, tokenizer, and the draft and policy versions it starts with."""
-        self._spec_counter = _attach_spec_counter(self.llm)
+        self._acceptance_counter = _attach_acceptance_counter(self.llm)
         self.tokenizer = self.llm.get_tokenizer()
         self._draft_version = meta.get("version")
         self._draft_sha = meta.get("sha256")
@@ -342,9 +343,9 @@ class RolloutEngine:
         results = self.llm.collective_rpc(name, args=args)
         return results[0]
 
-    def spec_counters(self) -> AcceptanceStats:
+    def acceptance_counters(self) -> AcceptanceStats:
         """Cumulative speculative-decoding counters of this engine since it started."""
-        return self._spec_counter.snapshot()
+        return self._acceptance_counter.snapshot()
 
     def generate(
         self,
@@ -357,7 +358,7 @@ class RolloutEngine:
         top_p: float = 1.0,
         progress: bool = False,
     ) -> GenerateResult:
-        """Generate one completion per prompt; returns rollouts and this call's spec metrics."""
+        """Generate one completion per prompt; returns rollouts and this call's acceptance counters."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -375,11 +376,11 @@ class RolloutEngine:
             for i in range(len(prompts))
         ]
         inputs = [p if isinstance(p, str) else TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
-        before = self.spec_counters()
+        before = self.acceptance_counters()
         t0 = time.perf_counter()
         outs = self.llm.generate(inputs, params, use_tqdm=progress)
         seconds = time.perf_counter() - t0
-        spec = self.spec_counters() - before
+        acceptance = self.acceptance_counters() - before
         rollouts = []
         for o in outs:
             c = o.outputs[0]
@@ -387,7 +388,7 @@ class RolloutEngine:
             if logprobs and c.logprobs is not None:
                 lps = [float(step[tok].logprob) for step, tok in zip(c.logprobs, c.token_ids)]
             rollouts.append(Rollout(list(o.prompt_token_ids), list(c.token_ids), c.text, lps, c.finish_reason))
-        return GenerateResult(rollouts, spec, seconds)
+        return GenerateResult(rollouts, acceptance, seconds)
 
     # ------------------------------------------------------------------ draft length
 

@@ -12,7 +12,7 @@ their rollout engines (several vLLM replicas as Ray actors), so it is how drafta
     boundary = StepBoundary(adapter, fleet)
     for step in range(steps):
         gen = fleet.generate(prompts, temperature=1.0, max_tokens=512, seed=step)  # split over engines
-        boundary.report(gen.spec)
+        boundary.report(gen.acceptance)
         with adapter.handover(policy) as ho:                                       # hooks, this process
             weights = rl_update(policy, gen.rollouts, ho)
         boundary.after_update(gen.rollouts, sampled_version=step, weights=weights, version=step + 1, handover=ho)
@@ -309,11 +309,11 @@ class DraftFleet:
         refs = [launch(a, lo, hi) for a, (lo, hi) in zip(self.actors, bounds)]
         results = [self._get_or_recover(j, ref, lambda a, lo=lo, hi=hi: launch(a, lo, hi))
                    for j, (ref, (lo, hi)) in enumerate(zip(refs, bounds))]
-        spec = AcceptanceStats()
+        acceptance = AcceptanceStats()
         for r in results:
-            if r.spec.drafts or r.spec.k:
-                spec = spec + r.spec
-        res = GenerateResult([x for r in results for x in r.rollouts], spec, max(r.seconds for r in results))
+            if r.acceptance.drafts or r.acceptance.k:
+                acceptance = acceptance + r.acceptance
+        res = GenerateResult([x for r in results for x in r.rollouts], acceptance, max(r.seconds for r in results))
         self.per_engine_seconds = [r.seconds for r in results]
         return res
 
@@ -465,7 +465,7 @@ class AdapterServer:
         self.adapter = DraftAdapter(policy_dir, draft_dir, out_dir, cfg)
         self.pid = os.getpid()
 
-    def handover_spec(self) -> dict[str, Any]:
+    def handover_settings(self) -> dict[str, Any]:
         c = self.adapter.capture
         return {"aux_layer_ids": c.aux_layer_ids, "draft_to_target": c.draft_to_target,
                 "temperature": c.temperature, "store": self.adapter.cfg.handover_store}
@@ -515,7 +515,7 @@ class RemoteAdapter:
         options = {"num_cpus": 0, "max_restarts": -1, "max_task_retries": -1, **(actor_options or {})}
         self.actor = ray.remote(AdapterServer).options(**options).remote(
             str(policy_dir), str(draft_dir), str(out_dir), self.cfg, threads)
-        self._spec = ray.get(self.actor.handover_spec.remote())
+        self._handover_settings = ray.get(self.actor.handover_settings.remote())
         # the drafts it publishes, read where this process sees its out_dir (same node or shared FS)
         self.store = DraftStore(out_dir, readonly=True)
 
@@ -525,7 +525,7 @@ class RemoteAdapter:
     def handover(self, policy, subset=None):
         from draftadapt.capture.hidden import HandOver
 
-        s = self._spec
+        s = self._handover_settings
         return HandOver(policy, s["aux_layer_ids"], s["draft_to_target"], s["temperature"], store=s["store"],
                         subset=subset)
 
@@ -549,14 +549,14 @@ class RemoteAdapter:
         finally:
             _ray().get(self.actor.not_counted.remote(False))
 
-    def step(self, force: bool = False) -> dict[str, float]:
-        return self._call("step", force)
+    def run_round(self, force: bool = False) -> dict[str, float]:
+        return self._call("run_round", force)
 
-    def start_step(self, force: bool = False) -> None:
-        self._call("start_step", force)
+    def start_round(self, force: bool = False) -> None:
+        self._call("start_round", force)
 
-    def finish_step(self) -> dict[str, float]:
-        return self._call("finish_step")
+    def finish_round(self) -> dict[str, float]:
+        return self._call("finish_round")
 
     def newest_package(self, max_policy_version: int, newer_than: int | None = None):
         return self._call("newest_package", max_policy_version, newer_than)

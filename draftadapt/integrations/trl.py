@@ -110,14 +110,13 @@ class SpeculativeRollouts:
             texts, temperature=trainer.temperature, top_p=trainer.top_p, max_tokens=trainer.max_completion_length,
             seed=self._rng.randrange(1 << 30), logprobs=True)
         self._window.gen_s += time.perf_counter() - t0
-        self._window.spec = self._window.spec + res.spec
+        self._window.acceptance = self._window.acceptance + res.acceptance
         self._window.tokens += res.num_tokens
-        if self.adapter is not None and res.spec.drafts:
-            self.adapter.report_measured(res.spec.length)  # the live draft, measured on the RL batch
+        self._boundary.report(res.acceptance)  # the live draft, measured on the RL batch (drift trigger)
         self._start_batch(res.rollouts, trainer.state.global_step)
-        return {"prompt_ids": [r.prompt_token_ids for r in res.rollouts],
-                "completion_ids": [r.token_ids for r in res.rollouts],
-                "logprobs": [r.logprobs for r in res.rollouts]}
+        return {"prompt_ids": [rollout.prompt_token_ids for rollout in res.rollouts],
+                "completion_ids": [rollout.token_ids for rollout in res.rollouts],
+                "logprobs": [rollout.logprobs for rollout in res.rollouts]}
 
     def attach(self, trainer) -> None:
         """Check the trainer's settings, start the adapter, hook the policy, add the callback.
@@ -195,8 +194,8 @@ class SpeculativeRollouts:
             self._handover.__exit__(None, None, None)
         self._batch, self._batch_version = rollouts, version
         self._keys = {}
-        for i, r in enumerate(rollouts):
-            self._keys.setdefault((*r.prompt_token_ids, *r.token_ids), []).append(i)
+        for i, rollout in enumerate(rollouts):
+            self._keys.setdefault((*rollout.prompt_token_ids, *rollout.token_ids), []).append(i)
         self._handover = self.adapter.handover(_unwrap(self.trainer)).__enter__()
 
     def _hook_policy(self, model) -> None:
@@ -244,9 +243,9 @@ class SpeculativeRollouts:
         """The window's metrics (sums divided once), then a fresh window."""
         w, self._window = self._window, _Window()
         row: dict[str, float] = {"stage/gen_s": w.gen_s, "stage/sync_s": w.sync_s, "stage/adapt_s": w.adapt_s}
-        if w.spec.drafts:
-            row["accept/length"] = w.spec.length
-            row.update({f"accept/pos_{i}": r for i, r in enumerate(w.spec.per_position)})
+        if w.acceptance.drafts:
+            row["accept/length"] = w.acceptance.length
+            row.update({f"accept/pos_{i}": r for i, r in enumerate(w.acceptance.per_position)})
         if self.engine.draft_version is not None:
             row["draft/version"] = float(self.engine.draft_version)
         if w.swaps:
@@ -263,7 +262,7 @@ class _Window:
     def __init__(self):
         from draftadapt.metrics.acceptance import AcceptanceStats
 
-        self.spec = AcceptanceStats()
+        self.acceptance = AcceptanceStats()
         self.tokens = 0
         self.gen_s = self.sync_s = self.adapt_s = 0.0
         self.swaps: list[float] = []

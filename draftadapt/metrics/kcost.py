@@ -48,8 +48,8 @@ def step_seconds(batch_size: int, tokens_per_s: float, acceptance_length: float)
 def fit_ks(ks: list[int]) -> list[int]:
     """The draft lengths whose engines the cost model is fitted on: 0, the smallest and the
     largest k >= 1 among ``ks`` (the rest are predicted)."""
-    spec = sorted(k for k in set(ks) if k > 0)
-    return sorted({k for k in ks if k == 0} | set(spec[:1]) | set(spec[-1:]))
+    drafting = sorted(k for k in set(ks) if k > 0)
+    return sorted({k for k in ks if k == 0} | set(drafting[:1]) | set(drafting[-1:]))
 
 
 @dataclass

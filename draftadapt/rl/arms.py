@@ -28,22 +28,22 @@ def measure(engine: RolloutEngine, prompts: list[str], cfg: DemoConfig, max_toke
     finally:
         gc.enable()
     out = {"tokens_per_s": res.tokens_per_s, "tokens": res.num_tokens, "seconds": res.seconds,
-           "acceptance_length": res.spec.acceptance_length,  # nan without speculation
-           "per_position": res.spec.per_position_rate}
+           "acceptance_length": res.acceptance.acceptance_length,  # nan without speculation
+           "per_position": res.acceptance.per_position_rate}
     return out
 
-def measure_arms(plain: RolloutEngine, spec: RolloutEngine, draft0: Path, prompts: list[str], cfg: DemoConfig,
+def measure_arms(plain: RolloutEngine, spec_engine: RolloutEngine, draft0: Path, prompts: list[str], cfg: DemoConfig,
                  step: int, max_tokens: int | None = None) -> tuple[dict, dict, dict]:
     """No speculation, the frozen draft, the adapted draft: same prompts, same policy. The order
     flips every step (plain first, then last), so a slow drift of this machine's speed does not
     favour one arm's tokens/s."""
     if step % 2 == 0:
         m_plain = measure(plain, prompts, cfg, max_tokens)
-        m_frozen = measure_draft(spec, draft0, prompts, cfg, max_tokens)
-        m_adapted = measure(spec, prompts, cfg, max_tokens)
+        m_frozen = measure_draft(spec_engine, draft0, prompts, cfg, max_tokens)
+        m_adapted = measure(spec_engine, prompts, cfg, max_tokens)
     else:
-        m_adapted = measure(spec, prompts, cfg, max_tokens)
-        m_frozen = measure_draft(spec, draft0, prompts, cfg, max_tokens)
+        m_adapted = measure(spec_engine, prompts, cfg, max_tokens)
+        m_frozen = measure_draft(spec_engine, draft0, prompts, cfg, max_tokens)
         m_plain = measure(plain, prompts, cfg, max_tokens)
     return m_plain, m_frozen, m_adapted
 
@@ -52,24 +52,24 @@ def measure_arms(plain: RolloutEngine, spec: RolloutEngine, draft0: Path, prompt
 # differ with every sample, and their drafts with them).
 FIXED_K_ARM = "adapted_fixed_k"
 
-def measure_fixed_k(spec: RolloutEngine, prompts: list[str], cfg: DemoConfig, max_tokens: int | None = None) -> dict:
+def measure_fixed_k(spec_engine: RolloutEngine, prompts: list[str], cfg: DemoConfig, max_tokens: int | None = None) -> dict:
     """The live draft at ``cfg.k`` tokens at every batch size: swap the engine's k table, generate,
     put the online table back."""
-    table = spec.k_schedule
-    spec.set_k_schedule([(1, spec.max_num_seqs, cfg.k)])
+    table = spec_engine.k_schedule
+    spec_engine.set_k_schedule([(1, spec_engine.max_num_seqs, cfg.k)])
     try:
-        return measure(spec, prompts, cfg, max_tokens)
+        return measure(spec_engine, prompts, cfg, max_tokens)
     finally:
-        spec.set_k_schedule(table)
+        spec_engine.set_k_schedule(table)
 
-def compare_k(plain: RolloutEngine, spec: RolloutEngine, prompts: list[str], cfg: DemoConfig,
+def compare_k(plain: RolloutEngine, spec_engine: RolloutEngine, prompts: list[str], cfg: DemoConfig,
               max_tokens: int | None = None) -> dict:
     """Online k against fixed k on ``prompts``, one engine, one draft, one policy: ``k_compare_repeats``
     rounds of plain / online table / fixed k, each round starting one arm later; the fastest
     generation of each arm counts."""
     arms = {"plain": lambda: measure(plain, prompts, cfg, max_tokens),
-            "online": lambda: measure(spec, prompts, cfg, max_tokens),
-            "fixed_k": lambda: measure_fixed_k(spec, prompts, cfg, max_tokens)}
+            "online": lambda: measure(spec_engine, prompts, cfg, max_tokens),
+            "fixed_k": lambda: measure_fixed_k(spec_engine, prompts, cfg, max_tokens)}
     names, best = list(arms), {}
     for i in range(cfg.k_compare_repeats):
         for name in names[i % 3:] + names[:i % 3]:
@@ -77,7 +77,7 @@ def compare_k(plain: RolloutEngine, spec: RolloutEngine, prompts: list[str], cfg
             if name not in best or m["tokens_per_s"] > best[name]["tokens_per_s"]:
                 best[name] = m
     tps = {name: m["tokens_per_s"] for name, m in best.items()}
-    return {"k": cfg.k, "repeats": cfg.k_compare_repeats, "table": schedule_text(spec.k_schedule),
+    return {"k": cfg.k, "repeats": cfg.k_compare_repeats, "table": schedule_text(spec_engine.k_schedule),
             **{f"{name}_tokens_per_s": v for name, v in tps.items()},
             "online_acceptance_length": best["online"]["acceptance_length"],
             "fixed_k_acceptance_length": best["fixed_k"]["acceptance_length"],
@@ -85,17 +85,17 @@ def compare_k(plain: RolloutEngine, spec: RolloutEngine, prompts: list[str], cfg
             "fixed_k_over_plain_tokens_per_s": tps["fixed_k"] / tps["plain"],
             "online_over_fixed_k_tokens_per_s": tps["online"] / tps["fixed_k"]}
 
-def measure_draft(spec: RolloutEngine, draft: Path, prompts: list[str], cfg: DemoConfig,
+def measure_draft(spec_engine: RolloutEngine, draft: Path, prompts: list[str], cfg: DemoConfig,
                   max_tokens: int | None = None) -> dict:
     """Measure another draft in the running engine: swap it in, generate, swap the live one back."""
-    live = spec.draft_dir
-    spec.swap_draft(draft)
+    live = spec_engine.draft_dir
+    spec_engine.swap_draft(draft)
     try:
-        return measure(spec, prompts, cfg, max_tokens)
+        return measure(spec_engine, prompts, cfg, max_tokens)
     finally:
-        spec.swap_draft(live)
+        spec_engine.swap_draft(live)
 
-def measure_fresh(cfg: DemoConfig, world, out: Path, spec: RolloutEngine, prompts: list[str]) -> dict:
+def measure_fresh(cfg: DemoConfig, world, out: Path, spec_engine: RolloutEngine, prompts: list[str]) -> dict:
     """Pretrain a draft from scratch on the final policy (the ``world``'s recipe), swap it into the
     running engine (which serves the final policy) and measure it on the same prompts."""
     from draftadapt.pretrain import PretrainConfig, pretrain
@@ -114,7 +114,7 @@ def measure_fresh(cfg: DemoConfig, world, out: Path, spec: RolloutEngine, prompt
             *demo_pretrain_overrides(cfg, world.pretrain_recipe)]), world.pretrain_source)
     seconds = time.perf_counter() - t0
     try:
-        m = measure_draft(spec, fresh_dir, prompts, cfg)
+        m = measure_draft(spec_engine, fresh_dir, prompts, cfg)
     except DraftSwapError:  # a user's draft= of another architecture: serve the fresh one apart
         engine = RolloutEngine(out / "final_policy", fresh_dir, method=cfg.method, num_speculative_tokens=cfg.k,
                                threads=cfg.engine_threads, seed=cfg.seed)
@@ -122,7 +122,7 @@ def measure_fresh(cfg: DemoConfig, world, out: Path, spec: RolloutEngine, prompt
             m = measure(engine, prompts, cfg)
         finally:
             engine.close()
-    m_adapted = measure(spec, prompts, cfg)
+    m_adapted = measure(spec_engine, prompts, cfg)
     return {"acceptance_length": m["acceptance_length"], "per_position": m["per_position"],
             "tokens_per_s": m["tokens_per_s"], "adapted_final_acceptance": m_adapted["acceptance_length"],
             "pretrain_seconds": seconds}
@@ -143,17 +143,17 @@ def seed_online_k(r, engine, swap, row: dict) -> None:
 
 def measure_step(r, row: dict, step: int, version: int, problems: list[dict]):
     """The arms of one step (see record_step); the row gains their figures."""
-    cfg, spec, plain, adapter = r.cfg, r.spec, r.plain, r.adapter
+    cfg, spec_engine, plain, adapter = r.cfg, r.spec_engine, r.plain, r.adapter
     rl_batch = None
-    if spec is not None:
+    if spec_engine is not None:
         fixed_first = r.online_k is not None and step % 2 == 1  # beside the adapted arm, both orders
         if fixed_first:
-            r.arms[FIXED_K_ARM].append(measure_fixed_k(spec, r.eval_prompts, cfg))
-        m_plain, m_frozen, m_adapted = measure_arms(plain, spec, r.draft0, r.eval_prompts, cfg, step)
+            r.arms[FIXED_K_ARM].append(measure_fixed_k(spec_engine, r.eval_prompts, cfg))
+        m_plain, m_frozen, m_adapted = measure_arms(plain, spec_engine, r.draft0, r.eval_prompts, cfg, step)
         for name, m in (("plain", m_plain), ("frozen", m_frozen), ("adapted", m_adapted)):
             r.arms[name].append(m)
         if r.online_k is not None and not fixed_first:
-            r.arms[FIXED_K_ARM].append(measure_fixed_k(spec, r.eval_prompts, cfg))
+            r.arms[FIXED_K_ARM].append(measure_fixed_k(spec_engine, r.eval_prompts, cfg))
         if r.online_k is not None:
             row[f"tps/{FIXED_K_ARM}"] = r.arms[FIXED_K_ARM][-1]["tokens_per_s"]
             row[f"accept/{FIXED_K_ARM}_length"] = r.arms[FIXED_K_ARM][-1]["acceptance_length"]
@@ -171,9 +171,9 @@ def measure_step(r, row: dict, step: int, version: int, problems: list[dict]):
         })
         if step == cfg.grpo.steps - 1 and cfg.rl_batch_arms:
             batch = [p["prompt"] for p in problems]
-            rl_batch = measure_arms(plain, spec, r.draft0, batch, cfg, step, max_tokens=cfg.grpo.max_tokens)
+            rl_batch = measure_arms(plain, spec_engine, r.draft0, batch, cfg, step, max_tokens=cfg.grpo.max_tokens)
             if r.online_k is not None:
-                rl_batch = (*rl_batch, compare_k(plain, spec, batch, cfg, max_tokens=cfg.grpo.max_tokens))
+                rl_batch = (*rl_batch, compare_k(plain, spec_engine, batch, cfg, max_tokens=cfg.grpo.max_tokens))
     else:
         m_plain = measure(plain, r.eval_prompts, cfg)
         r.arms["plain"].append(m_plain)
@@ -186,7 +186,7 @@ def record_step(r, row: dict, step: int, version: int, problems: list[dict]):
     (outside the RL step's time, and off the adapter's cost clock: schedule.max_share shares the
     RL step's time, not the demo's measurements), the row logged and printed. Returns the arms
     at the RL batch on the last step (``rl_batch_arms``), else None."""
-    cfg, spec, adapter = r.cfg, r.spec, r.adapter
+    cfg, spec_engine, adapter = r.cfg, r.spec_engine, r.adapter
     t_measure = time.perf_counter()
     with adapter.not_counted() if adapter is not None else contextlib.nullcontext():
         rl_batch = measure_step(r, row, step, version, problems)
@@ -194,14 +194,14 @@ def record_step(r, row: dict, step: int, version: int, problems: list[dict]):
     r.logger.log_dict({k: v for k, v in row.items() if isinstance(v, float)}, step=version)
     r.history.append(row)
     accept = (f"accept frozen {row['accept/frozen_length']:.2f} adapted {row['accept/length']:.2f} | "
-              if spec is not None else "no speculation | ")
+              if spec_engine is not None else "no speculation | ")
     gen = (f"gen {row['stage/gen_s']:.1f} exposed {row['stage/exposed_gen_s']:.1f}" if cfg.async_lag
            else f"gen {row['stage/gen_s']:.1f}")
     print(f"[demo] step {step + 1:3d}/{cfg.grpo.steps} reward {row['rl/reward']:.3f} "
           f"acc {row['rl/accuracy']:.2f} style {row['rl/style_frac']:.2f} | {accept}"
           f"RL step {row['stage/rl_step_s']:.1f} s ({gen} train "
           f"{row['stage/train_s']:.1f} adapt {row['stage/adapt_s']:.2f})"
-          + (f" | draft v{int(row['draft/version'])}" if spec is not None else "")
+          + (f" | draft v{int(row['draft/version'])}" if spec_engine is not None else "")
           + "".join(f" | {name} {row[f'accept/{name}_length']:.2f}" for name in r.baselines)
           + (f" | tok/s online/k={cfg.k} {row['tps/adapted'] / row[f'tps/{FIXED_K_ARM}']:.2f}"
              if r.online_k is not None else "")

@@ -10,7 +10,7 @@ from typing import Literal
 
 from draftadapt.adapter import AdapterConfig, ScheduleConfig, ValidateConfig
 from draftadapt.config import ConfigError, load_config, pass_down
-from draftadapt.drafts.spec import spec_for
+from draftadapt.drafts.serving import serving_for
 from draftadapt.online_k import OnlineKConfig
 
 
@@ -143,7 +143,7 @@ class DemoConfig:
     # on CPU the speedup falls with the batch size, so the small eval set flatters it.
     rl_batch_arms: bool = True
     # Run each adaptation round in a background thread beside the next step's generation and
-    # policy update (DraftAdapter.start_step / finish_step) instead of between steps. It is swapped
+    # policy update (DraftAdapter.start_round / finish_round) instead of between steps. It is swapped
     # in one step later; what it costs is the slower generation and update plus any wait for it.
     adapter_background: bool = False
     # Asynchronous RL (docs/design.md, "Asynchronous RL"): 0 = the synchronous loop; L >= 1 =
@@ -213,7 +213,7 @@ class DemoConfig:
             raise ConfigError(f"k_compare_repeats={self.k_compare_repeats}: give at least 1 round")
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs={self.max_num_seqs}: the engines need room for at least 1 sequence")
-        if self.initial_draft == "own" and not spec_for(self.method).in_target:
+        if self.initial_draft == "own" and not serving_for(self.method).in_target:
             raise ConfigError(f"initial_draft=own: method={self.method} has no draft inside the target; use "
                               "initial_draft=pretrain, or method=mtp on an MTP toy")
         if self.engines < 1:

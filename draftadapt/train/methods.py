@@ -9,7 +9,7 @@ MTP layers, one class each.
 
 Every question whose answer depends on the method (how a draft is made, loaded, exported,
 captured for, trained and scored) is answered here and nowhere else; how it is served (its name,
-layouts, vLLM's ``speculative_config``) is the torch-free ``drafts/spec.py``, which each class
+layouts, vLLM's ``speculative_config``) is the torch-free ``drafts/serving.py``, which each class
 here extends, so an engine needs no training code (docs/design.md, "Draft methods"). Plain
 classes, no registry: the third method (MTP) is the third class and a line in :func:`method_for`.
 """
@@ -26,14 +26,14 @@ from draftadapt.capture.hidden import TargetCapture
 from draftadapt.drafts.eagle3 import Eagle3Head
 from draftadapt.drafts.formats import detect_format, export_eagle3, export_mtp, load_eagle3, load_mtp, read_hf_config
 from draftadapt.drafts.mtp import MTPHead, head_from_target
-from draftadapt.drafts.spec import (METHODS, DraftFormatError, DraftLMSpec, Eagle3Spec, MethodSpec, MTPSpec, spec_for,
-                                    spec_of_format)
+from draftadapt.drafts.serving import (METHODS, DraftFormatError, DraftLMServing, Eagle3Serving, MethodServing, MTPServing,
+                                       serving_for, serving_of_format)
 from draftadapt.drafts.vocab import draft_to_target_ids
 from draftadapt.train import losses
 from draftadapt.train.forward import DraftLMForward, Eagle3TTT, lm_step_logits
 
 
-class Eagle3Method(Eagle3Spec):
+class Eagle3Method(Eagle3Serving):
     """An Eagle-3 head on the target's aux hidden states (vLLM ``method="eagle3"``)."""
 
     wrapper_prefix = "head."  # the draft's parameter names inside its training wrapper
@@ -137,7 +137,7 @@ class Eagle3Method(Eagle3Spec):
         return loss, per_step, accs, steps, rows
 
 
-class DraftLMMethod(DraftLMSpec):
+class DraftLMMethod(DraftLMServing):
     """A small draft LM sharing the target's tokenizer (vLLM ``method="draft_model"``)."""
 
     wrapper_prefix = "model."
@@ -204,7 +204,7 @@ class DraftLMMethod(DraftLMSpec):
         return loss, [loss.detach()], [acc], [s.argmax(-1) for s in lm_step_logits(logits.detach(), cfg.ttt_steps)], rows
 
 
-class MTPMethod(MTPSpec):
+class MTPMethod(MTPServing):
     """The target's own MTP layers (vLLM ``method="mtp"``, MiMo layout; docs/design.md, "MTP").
 
     Trained like an Eagle-3 head (the same TTT unroll and losses) on one hidden state, the body's
@@ -274,14 +274,14 @@ MTP = MTPMethod()
 DraftMethod = Eagle3Method | DraftLMMethod | MTPMethod
 
 
-def method_for(what: str | nn.Module | DraftMethod | MethodSpec) -> DraftMethod:
-    """The method of a name ("eagle3", "draft_model"), of its serving facts (``drafts.spec``), of a
+def method_for(what: str | nn.Module | DraftMethod | MethodServing) -> DraftMethod:
+    """The method of a name ("eagle3", "draft_model"), of its serving facts (``drafts.serving``), of a
     draft module (bare or wrapped for training), or a method itself."""
     if isinstance(what, (Eagle3Method, DraftLMMethod, MTPMethod)):
         return what
     if isinstance(what, str):
-        what = spec_for(what)  # an unknown name is refused there
-    if isinstance(what, (Eagle3Spec, DraftLMSpec, MTPSpec)):
+        what = serving_for(what)  # an unknown name is refused there
+    if isinstance(what, (Eagle3Serving, DraftLMServing, MTPServing)):
         return next(m for m in (EAGLE3, DRAFT_LM, MTP) if m.name == what.name)
     inner = _bare(what)
     if isinstance(getattr(inner, "head", inner), MTPHead):  # bare, or inside its TTT wrapper
@@ -296,7 +296,7 @@ def method_for(what: str | nn.Module | DraftMethod | MethodSpec) -> DraftMethod:
 
 def method_of_format(fmt: str) -> DraftMethod:
     """The method that serves a checkpoint layout (``formats.detect_format``)."""
-    return method_for(spec_of_format(fmt))
+    return method_for(serving_of_format(fmt))
 
 
 def method_of_dir(draft_dir: str | Path) -> DraftMethod:

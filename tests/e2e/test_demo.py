@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from draftadapt.init import init_draft
+from draftadapt.draft_init import init_draft
 
 REPO = Path(__file__).resolve().parents[2]
 

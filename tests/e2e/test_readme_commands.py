@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from draftadapt.init import init_draft
+from draftadapt.draft_init import init_draft
 
 REPO = Path(__file__).resolve().parents[2]
 

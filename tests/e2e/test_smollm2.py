@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from scipy.stats import chi2_contingency
 
-from draftadapt.init import init_draft
+from draftadapt.draft_init import init_draft
 
 pytestmark = pytest.mark.integration
 
@@ -86,17 +86,17 @@ def test_lossless_on_the_real_model(smollm2_model, smollm2_demo):
         base = [r.token_ids for r in plain.generate(["The"] * 3000, temperature=1.0, max_tokens=4, seed=11).rollouts]
     finally:
         plain.close()
-    spec = _engine(smollm2_model, adapted)
+    spec_engine = _engine(smollm2_model, adapted)
     try:
-        got = spec.generate(prompts, temperature=0.0, max_tokens=32)
+        got = spec_engine.generate(prompts, temperature=0.0, max_tokens=32)
         assert [r.token_ids for r in got.rollouts] == want
-        assert got.spec.acceptance_length > 1.0  # the head proposed and some proposals were kept
-        sampled = spec.generate(["The"] * 3000, temperature=1.0, max_tokens=4, seed=12)
-        spec.swap_draft(draft0)
-        assert [r.token_ids for r in spec.generate(prompts, temperature=0.0, max_tokens=32).rollouts] == want
+        assert got.acceptance.acceptance_length > 1.0  # the head proposed and some proposals were kept
+        sampled = spec_engine.generate(["The"] * 3000, temperature=1.0, max_tokens=4, seed=12)
+        spec_engine.swap_draft(draft0)
+        assert [r.token_ids for r in spec_engine.generate(prompts, temperature=0.0, max_tokens=32).rollouts] == want
     finally:
-        spec.close()
-    assert sampled.spec.drafts > 0
+        spec_engine.close()
+    assert sampled.acceptance.drafts > 0
     spec_tokens = [r.token_ids for r in sampled.rollouts]
     for pos in (1, 2, 3):  # positions 2-4
         a = Counter(t[pos] for t in base if len(t) > pos)

@@ -80,7 +80,7 @@ def handover_round(toy_target: Path, tmp_path: Path, device: str, store: str = "
     from draftadapt.adapter import AdapterConfig, DraftAdapter, ScheduleConfig
     from draftadapt.data.sequences import Sequence, collate
     from draftadapt.drafts.formats import WEIGHTS_FILE
-    from draftadapt.init import init_draft
+    from draftadapt.draft_init import init_draft
     from draftadapt.toy.task import sample_problems
     from draftadapt.train.trainer import TrainConfig
 
@@ -108,7 +108,7 @@ def handover_round(toy_target: Path, tmp_path: Path, device: str, store: str = "
         assert devices == {"cpu"}, devices
         kept = {name for it in adapter.replay for name in it.tensors}
         assert kept == ({"lm_input", "lse", "aux_hidden"} if store == "hidden" else {"target_logp", "aux_hidden"}), kept
-        m = adapter.step()
+        m = adapter.run_round()
         assert m["adapt/trained"] == 1.0, m
     # the round's candidate beat the untrained head on held-out rollouts and was published
     assert m["adapt/published"] == 1.0 and m["accept/simulated_length"] > m["accept/simulated_live"] + 0.1, m

@@ -18,7 +18,7 @@ from draftadapt.config import ConfigError
 from draftadapt.data.store import DraftStore
 from draftadapt.drafts.formats import META_FILE, WEIGHTS_FILE
 from draftadapt.fileio import file_sha256
-from draftadapt.init import init_draft
+from draftadapt.draft_init import init_draft
 from draftadapt.train.trainer import TrainConfig
 
 from .conftest import start_engine, stop_engine, toy_prompts
@@ -59,26 +59,26 @@ def rollouts(world, seed: int, n: int = 48):
 
 
 def test_background_round_runs_beside_generation_and_is_swapped_after(world, toy_target):
-    """start_step trains in a thread while the engine generates the next rollouts; calls that use
-    the adapter's state wait for the round; finish_step hands its metrics over, then the swap."""
+    """start_round trains in a thread while the engine generates the next rollouts; calls that use
+    the adapter's state wait for the round; finish_round hands its metrics over, then the swap."""
     engine = world["engine"]
     adapter = DraftAdapter(toy_target, world["draft0"], world["root"] / "bg", small_cfg())
     try:
         adapter.observe(rollouts(world, seed=11), policy_version=0)
-        adapter.start_step()
-        with pytest.raises(RuntimeError, match="finish_step"):
-            adapter.start_step()
+        adapter.start_round()
+        with pytest.raises(RuntimeError, match="finish_round"):
+            adapter.start_round()
         # the engine generates while the round trains (16 prompts: the two share 2 cores, and 48 here
         # took 30 s; a shorter generation only makes the observe below more likely to have to wait)
         nxt = rollouts(world, seed=12, n=16)
         adapter.observe(nxt, policy_version=0)  # waits for the round: the buffer is never shared
         assert adapter._round is not None and adapter._round.done()
-        m = adapter.finish_step()
+        m = adapter.finish_round()
         assert m["adapt/trained"] == 1.0 and m["adapt/published"] == 1.0, m
-        assert adapter.finish_step() == {}  # nothing open any more
+        assert adapter.finish_round() == {}  # nothing open any more
         res = adapter.swap(engine)
         assert res is not None and res.version == 2 and engine.draft_version == 2
-        adapter.start_step()
+        adapter.start_round()
     finally:
         adapter.close()  # finishes the open round
     assert adapter._round is None and adapter._round_pool is None
@@ -90,7 +90,7 @@ def test_train_validate_publish_swap(world, toy_target):
     adapter = DraftAdapter(toy_target, world["draft0"], world["root"] / "out", small_cfg())
     assert adapter.live_version == 1  # the starting draft is the run's first version
     adapter.observe(rollouts(world, seed=1), policy_version=0)
-    m = adapter.step()
+    m = adapter.run_round()
     assert m["adapt/trained"] == 1.0 and m["adapt/published"] == 1.0, m
     # a random head trained for a few steps beats itself untrained on held-out rollouts
     assert m["accept/simulated_length"] > m["accept/simulated_live"], m
@@ -108,7 +108,7 @@ def test_train_validate_publish_swap(world, toy_target):
 
     assert pick_up_latest(engine, world["root"] / "out") is None  # the sidecar's engine side: the same path
     gen = engine.generate(world["prompts"][:8], temperature=1.0, max_tokens=32, seed=2)
-    assert gen.spec.drafts > 0
+    assert gen.acceptance.drafts > 0
 
 
 def test_handover_trains_and_swaps_with_zero_policy_forwards(world, toy_target):
@@ -124,7 +124,7 @@ def test_handover_trains_and_swaps_with_zero_policy_forwards(world, toy_target):
     trainer_policy = AutoModelForCausalLM.from_pretrained(str(toy_target), torch_dtype=torch.float32)
     try:
         engine.swap_draft(world["draft0"])  # an earlier test may have left a trained draft serving
-        before = engine.generate(world["prompts"][:16], temperature=1.0, max_tokens=64, seed=21).spec.acceptance_length
+        before = engine.generate(world["prompts"][:16], temperature=1.0, max_tokens=64, seed=21).acceptance.acceptance_length
         for step, seed in enumerate((31, 32)):
             gen = engine.generate(world["prompts"], temperature=1.0, max_tokens=64, seed=seed)
             seqs = [Sequence(list(r.prompt_token_ids), list(r.token_ids)) for r in gen.rollouts]
@@ -136,12 +136,12 @@ def test_handover_trains_and_swaps_with_zero_policy_forwards(world, toy_target):
                     ho.add(idx, logits, batch["attention_mask"])
                     logits.mean().backward()
             adapter.observe(gen.rollouts, policy_version=0, handover=ho)
-            m = adapter.step()
+            m = adapter.run_round()
             assert m["adapt/trained"] == 1.0 and m["adapt/published"] == 1.0, m
             assert adapter.swap(engine) is not None
         assert forwards == [] and adapter.capture.forwards == 0
         assert adapter.store.latest().policy_version == 0  # trained against the sampling policy
-        after = engine.generate(world["prompts"][:16], temperature=1.0, max_tokens=64, seed=21).spec.acceptance_length
+        after = engine.generate(world["prompts"][:16], temperature=1.0, max_tokens=64, seed=21).acceptance.acceptance_length
         # a random head trained for 12 steps: measured in vLLM it drafts clearly better (typically
         # 1.0x -> 1.4x+; 0.15 is well above the engine's seed-to-seed noise on 16 prompts)
         assert after > before + 0.15, (before, after)
@@ -164,7 +164,7 @@ def test_handover_targets_current_recaptures_with_the_adapters_policy(world, toy
         ho.add(range(len(seqs)), adapter.policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits,
                batch["attention_mask"])
     adapter.observe(gen.rollouts, policy_version=0, handover=ho)
-    assert adapter.step()["adapt/trained"] == 1.0
+    assert adapter.run_round()["adapt/trained"] == 1.0
     assert adapter.capture.forwards > 0
 
 
@@ -173,7 +173,7 @@ def trained(world, toy_target):
     """A head that has had one adaptation round on the engine's rollouts (better than draft0)."""
     adapter = DraftAdapter(toy_target, world["draft0"], world["root"] / "trained", small_cfg())
     adapter.observe(rollouts(world, seed=11), policy_version=0)
-    assert adapter.step()["adapt/published"] == 1.0
+    assert adapter.run_round()["adapt/published"] == 1.0
     return adapter.store.latest().path
 
 
@@ -189,7 +189,7 @@ def test_async_never_swaps_in_a_draft_of_a_newer_policy(world, toy_target):
     adapter.observe(rollouts(world, seed=3), policy_version=served)
     new_weights = policy_weights(toy_target, scale=0.02, seed=1)
     adapter.update_policy(new_weights, version=served + 1)
-    m = adapter.step()
+    m = adapter.run_round()
     assert m["adapt/published"] == 1.0, m
     newest = adapter.store.latest()
     assert newest.policy_version == served + 1
@@ -212,7 +212,7 @@ def test_validation_rejects_a_worse_candidate(world, trained, toy_target):
     adapter = DraftAdapter(toy_target, trained, out, small_cfg(lr=5.0))
     live = adapter.store.latest()
     adapter.observe(rollouts(world, seed=4), policy_version=0)
-    m = adapter.step()
+    m = adapter.run_round()
     assert m["adapt/trained"] == 1.0 and m["adapt/rejected"] == 1.0 and m["adapt/published"] == 0.0, m
     assert m["accept/simulated_length"] < m["accept/simulated_live"] * 0.99, m
     assert adapter.store.latest().version == live.version
@@ -239,14 +239,14 @@ def test_drift_trigger_trains_only_when_acceptance_fell(world, trained, toy_targ
     cfg.schedule = ScheduleConfig(every_n_steps=0, drift_fraction=0.10, train_steps=2, min_sequences=8)
     adapter = DraftAdapter(toy_target, trained, world["root"] / "drift", cfg)
     adapter.observe(rollouts(world, seed=5), policy_version=0)
-    assert adapter.step().get("adapt/skipped") == 1.0  # no schedule, no reference yet
+    assert adapter.run_round().get("adapt/skipped") == 1.0  # no schedule, no reference yet
     adapter.report_measured(3.0)  # the engine's first measurement of the live draft: the reference
     published = adapter.store.latest().version
     adapter.observe(rollouts(world, seed=6), policy_version=0)
     adapter.report_measured(2.9)  # -3%: within the 10% band
-    assert adapter.step().get("adapt/skipped") == 1.0
+    assert adapter.run_round().get("adapt/skipped") == 1.0
     adapter.report_measured(2.5)  # -17% since the last round: drift
-    m = adapter.step()
+    m = adapter.run_round()
     assert m["adapt/trained"] == 1.0 and m["adapt/trigger_drift"] == 1.0, m
     assert adapter.store.latest().version >= published
 
@@ -260,14 +260,14 @@ def test_a_round_over_max_share_waits_and_stays_due(world, toy_target):
     adapter = DraftAdapter(toy_target, world["draft0"], world["root"] / "max_share", cfg)
     first, second = rollouts(world, seed=7), rollouts(world, seed=8)  # generated before the adapter's clock starts
     adapter.observe(first, policy_version=0)
-    assert adapter.step()["adapt/trained"] == 1.0  # the first round: nothing to expect yet
+    assert adapter.run_round()["adapt/trained"] == 1.0  # the first round: nothing to expect yet
     round_s = adapter.cost.round_s
     adapter.observe(second, policy_version=0)
-    m = adapter.step()
+    m = adapter.run_round()
     assert m["adapt/deferred"] == 1.0 and m["adapt/trained"] == 0.0, m
     assert 0.5 < m["adapt/share"] <= 1.0, m  # nearly all the time so far was the adapter's
     time.sleep(5 * (adapter.cost.spent + round_s) + 0.2)  # the RL step's time: the round now fits in 20%
-    m = adapter.step()
+    m = adapter.run_round()
     assert m["adapt/trained"] == 1.0 and "adapt/deferred" not in m, m
 
 
@@ -281,10 +281,10 @@ def test_a_round_that_gained_brings_the_next_one_at_the_next_step(world, toy_tar
                                   chase_gain=chase_gain)
     adapter = DraftAdapter(toy_target, world["draft0"], world["root"] / f"chase-{chase_gain}", cfg)
     adapter.observe(rollouts(world, seed=7), policy_version=0)
-    first = adapter.step(force=True)
+    first = adapter.run_round(force=True)
     assert first["adapt/published"] == 1.0 and first["accept/simulated_length"] > first["accept/simulated_live"], first
     adapter.observe(rollouts(world, seed=8), policy_version=0)
-    m = adapter.step()
+    m = adapter.run_round()
     if next_round:
         assert m["adapt/trained"] == 1.0 and m["adapt/trigger_chase"] == 1.0, m
     else:
@@ -302,7 +302,7 @@ def test_catch_up_trains_more_only_while_it_pays(world, toy_target, max_train_st
                                   max_train_steps=max_train_steps, catchup_gain=gain)
     adapter = DraftAdapter(toy_target, world["draft0"], world["root"] / f"catchup{max_train_steps}-{gain}", cfg)
     adapter.observe(rollouts(world, seed=7), policy_version=0)
-    m = adapter.step()
+    m = adapter.run_round()
     assert m["adapt/trained"] == 1.0 and m["adapt/train_steps"] == expected_steps, m
 
 
@@ -316,7 +316,7 @@ def test_under_max_share_catch_up_stops_when_the_next_block_would_not_fit(world,
                                   max_train_steps=6, catchup_gain=1e-6, max_share=0.2)
     adapter = DraftAdapter(toy_target, world["draft0"], world["root"] / "catchup-capped", cfg)
     adapter.observe(rollouts(world, seed=7), policy_version=0)  # generated before the clock starts
-    m = adapter.step()
+    m = adapter.run_round()
     assert m["adapt/trained"] == 1.0 and m["adapt/train_steps"] == 2, m
     assert 0 < adapter.cost.round_s <= m["stage/adapt_s"], (adapter.cost.round_s, m)
 
@@ -342,7 +342,7 @@ def test_prioritized_rounds_record_each_draws_loss(world, toy_target):
     cfg.priority = 1.0
     adapter = DraftAdapter(toy_target, world["draft0"], world["root"] / "priority", cfg)
     adapter.observe(rollouts(world, seed=7), policy_version=0)
-    m = adapter.step()
+    m = adapter.run_round()
     assert m["adapt/trained"] == 1.0 and m["adapt/train_steps"] == 6, m
     assert m["adapt/published"] == 1.0 and m["accept/simulated_length"] > m["accept/simulated_live"], m
     _priorities_after_a_round(adapter, steps=6, batch=8)
@@ -365,7 +365,7 @@ def test_draft_lm_adapts_and_swaps(toy_target, tmp_path):
         adapter = DraftAdapter(toy_target, draft0, tmp_path / "out", cfg)
         gen = engine.generate(toy_prompts(toy_target, 48), temperature=1.0, max_tokens=64, seed=1)
         adapter.observe(gen.rollouts, policy_version=0)
-        m = adapter.step()
+        m = adapter.run_round()
         assert m["adapt/published"] == 1.0, m
         _priorities_after_a_round(adapter, steps=6, batch=8)
         assert m["accept/simulated_length"] > m["accept/simulated_live"], m
@@ -373,6 +373,6 @@ def test_draft_lm_adapts_and_swaps(toy_target, tmp_path):
         assert res is not None and res.version == 2
         assert engine.draft_state()["checksum"] == res.checksum
         after = engine.generate(toy_prompts(toy_target, 8), temperature=1.0, max_tokens=32, seed=2)
-        assert after.spec.drafts > 0
+        assert after.acceptance.drafts > 0
     finally:
         stop_engine(engine)

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from draftadapt.init import init_draft
+from draftadapt.draft_init import init_draft
 
 pytestmark = pytest.mark.integration
 

@@ -28,7 +28,7 @@ from draftadapt.adapter import DraftAdapter
 from draftadapt.data.store import DraftStore
 from draftadapt.drafts.formats import META_FILE, WEIGHTS_FILE
 from draftadapt.engine.rollout import DraftSwapError
-from draftadapt.init import init_draft
+from draftadapt.draft_init import init_draft
 from draftadapt.spool import SpoolCursor, SpoolReader, SpoolWriter
 from draftadapt.toy.model import build_model
 
@@ -44,7 +44,7 @@ SAME = 0.02
 
 def acceptance(engine, prompts) -> float:
     res = engine.generate(prompts, temperature=1.0, max_tokens=48, seed=7)
-    return res.spec.acceptance_length
+    return res.acceptance.acceptance_length
 
 
 def long_prompts(engine, toy_target, n: int = 24, length: int = 150) -> list[list[int]]:
@@ -209,13 +209,13 @@ def test_a_non_finite_round_rolls_back_to_the_live_draft(toy_target, trained_hea
     adapter.observe(toy_rollouts(24, 1), policy_version=0)
     with torch.no_grad():  # a stand-in for gradients that blew up: the trainer's weights go NaN
         next(p for p in adapter.trainer.draft.parameters() if p.requires_grad).fill_(float("nan"))
-    m = adapter.step()
+    m = adapter.run_round()
     assert m["adapt/rolled_back"] == 1.0 and m["adapt/published"] == 0.0
     live = adapter.live_draft().state_dict()
     assert all(torch.equal(v, live[k]) for k, v in adapter.trainer.draft.state_dict().items())
     assert not adapter.trainer.has_optimizer_state()
     adapter.observe(toy_rollouts(24, 2), policy_version=0)
-    m = adapter.step()  # the next round trains on finite weights
+    m = adapter.run_round()  # the next round trains on finite weights
     assert m.get("adapt/rolled_back", 0.0) == 0.0 and m["train/loss"] == pytest.approx(m["train/loss"])
     assert adapter.trainer.weights_finite()
 
@@ -226,7 +226,7 @@ def test_a_restarted_adapter_resumes_from_its_newest_draft_and_optimizer(toy_tar
     cfg.validation.margin = 0.99  # the point here is the restart: publish whatever the round gives
     first = DraftAdapter(toy_target, trained_head, out, cfg)
     first.observe(toy_rollouts(24, 3), policy_version=0)
-    assert first.step(force=True)["adapt/published"] == 1.0
+    assert first.run_round(force=True)["adapt/published"] == 1.0
     latest = DraftStore(out, readonly=True).latest()
     weights = {k: v.clone() for k, v in first.trainer.draft.state_dict().items()}
     moments = first.trainer.resume_state()["optimizer"]["state"]

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from draftadapt.adapter import DraftAdapter
 from draftadapt.drafts.formats import WEIGHTS_FILE
-from draftadapt.init import init_draft
+from draftadapt.draft_init import init_draft
 from draftadapt.toy.model import build_model
 from draftadapt.toy.tokenizer import build_tokenizer
 
@@ -41,9 +41,9 @@ def test_a_bf16_policy_stays_bf16_through_the_loop(tmp_path):
         assert adapter.policy.dtype == torch.bfloat16
         prompts = [[1] + [4 + (7 * i + j) % 50 for j in range(6)] for i in range(24)]
         res = engine.generate(prompts, temperature=1.0, max_tokens=24, seed=0)
-        assert res.spec.drafts > 0
+        assert res.acceptance.drafts > 0
         adapter.observe(res.rollouts, policy_version=0)
-        assert adapter.step(force=True)["adapt/published"] == 1.0
+        assert adapter.run_round(force=True)["adapt/published"] == 1.0
         latest = adapter.store.latest()
         assert _float_dtypes(latest.path) == {torch.bfloat16}
         assert adapter.swap(engine).version == latest.version == engine.draft_version
@@ -53,7 +53,7 @@ def test_a_bf16_policy_stays_bf16_through_the_loop(tmp_path):
         moved = {k: v * 1.01 for k, v in adapter.policy.state_dict().items()}
         assert engine.update_policy(moved, version=1, checks=True)["policy_checksum"] != before
         assert adapter.check_integrity(engine)
-        assert engine.generate(prompts[:4], temperature=1.0, max_tokens=16, seed=1).spec.drafts > 0
+        assert engine.generate(prompts[:4], temperature=1.0, max_tokens=16, seed=1).acceptance.drafts > 0
 
         trained = {k: v.clone() for k, v in adapter.trainer.draft.state_dict().items()}
         del adapter

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from draftadapt.drafts.formats import DraftFormatError, META_FILE, WEIGHTS_FILE
 from draftadapt.engine.rollout import DraftSwapError
-from draftadapt.init import init_draft
+from draftadapt.draft_init import init_draft
 
 from .conftest import edit_manifest, flipped_copy, start_engine, stop_engine, toy_prompts
 
@@ -45,7 +45,7 @@ def test_generate_reports_spec_metrics_as_deltas(engine, toy_target):
     first = engine.generate(prompts, temperature=1.0, max_tokens=48, seed=0)
     second = engine.generate(prompts[:4], temperature=1.0, max_tokens=48, seed=0)
     for res in (first, second):
-        s = res.spec
+        s = res.acceptance
         assert s.drafts > 0
         assert s.draft_tokens == K * s.drafts
         assert len(s.accepted_per_pos) == K
@@ -58,7 +58,7 @@ def test_generate_reports_spec_metrics_as_deltas(engine, toy_target):
         assert all(a >= b for a, b in zip(s.accepted_per_pos, s.accepted_per_pos[1:])), s.accepted_per_pos
         assert res.num_tokens > 0
     # deltas, not cumulative: 4 prompts cannot need more verification steps than 16 did
-    assert second.spec.drafts < first.spec.drafts
+    assert second.acceptance.drafts < first.acceptance.drafts
 
 
 def test_swap_changes_live_checksum_and_is_exact(engine, drafts):
@@ -118,15 +118,15 @@ def test_bad_files_change_nothing(engine, drafts, toy_target, tmp_path):
         engine.swap_draft(bare)
     assert engine.draft_state()["checksum"] == live
     res = engine.generate(toy_prompts(toy_target, 2), temperature=0.0, max_tokens=16)
-    assert res.spec.drafts > 0
+    assert res.acceptance.drafts > 0
 
 
 def test_greedy_identical_with_and_without_speculation(engine, plain_engine, toy_target):
     prompts = toy_prompts(toy_target, 24)
-    spec = engine.generate(prompts, temperature=0.0, max_tokens=64)
+    speculated = engine.generate(prompts, temperature=0.0, max_tokens=64)
     plain = plain_engine.generate(prompts, temperature=0.0, max_tokens=64)
-    assert spec.spec.drafts > 0 and plain.spec.drafts == 0
-    assert [r.token_ids for r in spec.rollouts] == [r.token_ids for r in plain.rollouts]
+    assert speculated.acceptance.drafts > 0 and plain.acceptance.drafts == 0
+    assert [r.token_ids for r in speculated.rollouts] == [r.token_ids for r in plain.rollouts]
 
 
 def test_policy_update_in_place_keeps_draft(engine, toy_target):

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from draftadapt.drafts.formats import META_FILE, load_eagle3
-from draftadapt.init import init_draft
+from draftadapt.draft_init import init_draft
 
 from .conftest import start_engine, stop_engine, toy_prompts
 
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.integration
 
 
 def _check_metrics(res, k):
-    s = res.spec
+    s = res.acceptance
     assert s.drafts > 0 and s.draft_tokens == k * s.drafts
     assert len(s.accepted_per_pos) == k and sum(s.accepted_per_pos) == s.accepted_tokens
     # the counters' own arithmetic; position i is counted only after 0..i-1 were accepted

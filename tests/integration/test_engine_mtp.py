@@ -30,7 +30,7 @@ K = 3
 
 def _greedy(engine, prompts):
     res = engine.generate(prompts, temperature=0.0, max_tokens=64, seed=0)
-    return [r.token_ids for r in res.rollouts], res.spec
+    return [r.token_ids for r in res.rollouts], res.acceptance
 
 
 @pytest.fixture(scope="module")
@@ -52,11 +52,11 @@ def mtp_engine(mtp_target, plain_greedy):
 
 def test_greedy_is_identical_with_the_targets_mtp_layers(mtp_engine, mtp_target, plain_greedy):
     assert mtp_engine.method == "mtp" and mtp_engine.k == K and mtp_engine.draft_dir is None
-    ids, spec = _greedy(mtp_engine, toy_prompts(mtp_target, 16))
+    ids, acceptance = _greedy(mtp_engine, toy_prompts(mtp_target, 16))
     assert ids == plain_greedy
-    assert spec.drafts > 0 and spec.draft_tokens == K * spec.drafts
+    assert acceptance.drafts > 0 and acceptance.draft_tokens == K * acceptance.drafts
     # the jointly trained MTP layer proposes well (the spike's seed-0 target: 3.19 at k=3)
-    assert spec.acceptance_length > 2.0, spec
+    assert acceptance.acceptance_length > 2.0, acceptance
 
 
 def test_policy_update_and_mtp_swap_do_not_clobber_each_other(mtp_engine, mtp_target, plain_greedy, tmp_path):
@@ -78,15 +78,15 @@ def test_policy_update_and_mtp_swap_do_not_clobber_each_other(mtp_engine, mtp_ta
     swapped = mtp_engine.swap_draft(fresh)
     assert swapped.version == 1 and swapped.checksum != live
     assert mtp_engine.policy_checksum() == policy_before
-    ids, spec = _greedy(mtp_engine, prompts)
+    ids, acceptance = _greedy(mtp_engine, prompts)
     assert ids == plain_greedy
-    assert spec.acceptance_length < trained.acceptance_length - 0.5, (spec, trained)
+    assert acceptance.acceptance_length < trained.acceptance_length - 0.5, (acceptance, trained)
 
     # the target's own layers back, exported as a draft: the same checksum, the same acceptance
     own = MTP.export(MTP.init(mtp_target), tmp_path / "own", mtp_target, meta={"version": 2, "lineage": "t"})
     assert mtp_engine.swap_draft(own).checksum == live
-    ids, spec = _greedy(mtp_engine, prompts)
-    assert ids == plain_greedy and spec.acceptance_length == pytest.approx(trained.acceptance_length)
+    ids, acceptance = _greedy(mtp_engine, prompts)
+    assert ids == plain_greedy and acceptance.acceptance_length == pytest.approx(trained.acceptance_length)
 
     # a file with the embeddings (the policy's, shared) or other shapes is refused before loading
     bad = tmp_path / "bad"
@@ -120,7 +120,7 @@ def test_adapter_trains_publishes_and_swaps_mtp_layers(mtp_engine, mtp_target, t
     adapter = DraftAdapter(mtp_target, fresh, tmp_path / "out", cfg)
     try:
         adapter.observe(mtp_engine.generate(prompts, temperature=1.0, max_tokens=64, seed=3).rollouts, policy_version=0)
-        m = adapter.step()
+        m = adapter.run_round()
         assert m["adapt/trained"] == 1.0 and m["adapt/published"] == 1.0, m
         assert m["accept/simulated_length"] > m["accept/simulated_live"], m
         assert all(p.grad is None for p in adapter.policy.parameters())
@@ -166,20 +166,20 @@ def known_mtp_engine(known_mtp_target, tmp_path_factory):
 
 def test_mtp_greedy_follows_the_argmax_chain(known_mtp_engine):
     P = transition_matrix(64)
-    seqs, spec = _sample(known_mtp_engine, n_seqs=8, max_tokens=40, temperature=0.0)
+    seqs, acceptance = _sample(known_mtp_engine, n_seqs=8, max_tokens=40, temperature=0.0)
     for seq in seqs:
         for a, b in zip(seq, seq[1:]):
             assert b == int(P[a].argmax())
     # the MTP layer proposes from the chain's own row: every greedy proposal is accepted
-    assert spec.acceptance_length == pytest.approx(K + 1, abs=0.05)
+    assert acceptance.acceptance_length == pytest.approx(K + 1, abs=0.05)
 
 
 def test_mtp_speculative_sampling_matches_the_target_distribution(known_mtp_engine, known_mtp_target, tmp_path):
     P = transition_matrix(64)
-    seqs, spec = _sample(known_mtp_engine, seed=1)
+    seqs, acceptance = _sample(known_mtp_engine, seed=1)
     gof = assert_target_distribution(seqs, P)
-    assert gof["n"] >= 4000 and spec.drafts > 0
-    assert 1.5 < spec.acceptance_length <= K + 1  # rejections happen, so the sampler is exercised
+    assert gof["n"] >= 4000 and acceptance.drafts > 0
+    assert 1.5 < acceptance.acceptance_length <= K + 1  # rejections happen, so the sampler is exercised
 
     # after an in-place swap to a worse MTP proposer the distribution is still the target's
     worse = MTP.init(known_mtp_target)
@@ -189,8 +189,8 @@ def test_mtp_speculative_sampling_matches_the_target_distribution(known_mtp_engi
         w.add_(0.5 * torch.randn(w.shape, generator=g))
     d = MTP.export(worse, tmp_path / "v1", known_mtp_target, meta={"version": 1})
     assert known_mtp_engine.swap_draft(d).version == 1
-    seqs, spec2 = _sample(known_mtp_engine, seed=11)
-    assert spec2.acceptance_length < spec.acceptance_length
+    seqs, acceptance2 = _sample(known_mtp_engine, seed=11)
+    assert acceptance2.acceptance_length < acceptance.acceptance_length
     assert_target_distribution(seqs, P)
 
 

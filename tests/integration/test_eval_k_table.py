@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from draftadapt.init import init_draft
+from draftadapt.draft_init import init_draft
 
 from .conftest import last_json, run_eval
 

@@ -68,7 +68,7 @@ def assert_target_distribution(seqs: list[list[int]], P: torch.Tensor) -> dict:
 
 def _sample(engine, n_seqs=160, max_tokens=32, seed=0, temperature=1.0):
     res = engine.generate([START] * n_seqs, temperature=temperature, max_tokens=max_tokens, seed=seed)
-    return [START[-1:] + r.token_ids for r in res.rollouts], res.spec
+    return [START[-1:] + r.token_ids for r in res.rollouts], res.acceptance
 
 
 def _perturbed_copy(src, dst, version, scale=0.5):
@@ -111,12 +111,12 @@ def spec_engine(request, known_target, self_draft):
 
 def test_greedy_follows_the_argmax_chain(spec_engine, known_target):
     P = transition_matrix(64)
-    seqs, spec = _sample(spec_engine, n_seqs=8, max_tokens=40, temperature=0.0)
+    seqs, acceptance = _sample(spec_engine, n_seqs=8, max_tokens=40, temperature=0.0)
     for seq in seqs:
         for a, b in zip(seq, seq[1:]):
             assert b == int(P[a].argmax())
     # the draft is the target: every proposal is accepted under greedy decoding
-    assert spec.acceptance_length == pytest.approx(K + 1, abs=0.05)
+    assert acceptance.acceptance_length == pytest.approx(K + 1, abs=0.05)
 
 
 def test_policy_update_from_a_state_dict_reaches_either_executor(spec_engine, known_target):
@@ -134,18 +134,18 @@ def test_policy_update_from_a_state_dict_reaches_either_executor(spec_engine, kn
 
 def test_speculative_sampling_matches_the_target_distribution(spec_engine, tmp_path, self_draft):
     P = transition_matrix(64)
-    seqs, spec = _sample(spec_engine, seed=1)
+    seqs, acceptance = _sample(spec_engine, seed=1)
     gof = assert_target_distribution(seqs, P)
-    assert gof["n"] >= 4000 and spec.drafts > 0
-    assert 1.5 < spec.acceptance_length <= K + 1  # rejections happen, so the sampler is exercised
+    assert gof["n"] >= 4000 and acceptance.drafts > 0
+    assert 1.5 < acceptance.acceptance_length <= K + 1  # rejections happen, so the sampler is exercised
 
     # after in-place hot swaps to other proposers the distribution is still the target's
     for version in (1, 2):
         d = _perturbed_copy(self_draft, tmp_path / f"v{version}", version)
         swapped = spec_engine.swap_draft(d)
         assert swapped.version == version
-        seqs, spec2 = _sample(spec_engine, seed=10 + version)
-        assert spec2.acceptance_length < spec.acceptance_length  # a worse proposer, really swapped in
+        seqs, acceptance2 = _sample(spec_engine, seed=10 + version)
+        assert acceptance2.acceptance_length < acceptance.acceptance_length  # a worse proposer, really swapped in
         assert_target_distribution(seqs, P)
 
 

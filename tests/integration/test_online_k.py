@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from draftadapt.init import init_draft
+from draftadapt.draft_init import init_draft
 from draftadapt.metrics.kcost import k_at
 from draftadapt.online_k import OnlineK, OnlineKConfig
 
@@ -26,7 +26,7 @@ def table_engine(toy_target, tmp_path_factory):
 
 def drafted(engine, prompts):
     res = engine.generate(prompts, temperature=0.0, max_tokens=16)
-    return res, res.spec.drafts_per_position(5) if res.spec.k else [0] * 5
+    return res, res.acceptance.drafts_per_position(5) if res.acceptance.k else [0] * 5
 
 
 def test_the_k_served_follows_the_table_changed_in_place(table_engine, plain_engine, toy_target):
@@ -43,7 +43,7 @@ def test_the_k_served_follows_the_table_changed_in_place(table_engine, plain_eng
 
     engine.set_k_schedule([(1, 64, 0)])  # speculation off in the speculative engine
     res0, _ = drafted(engine, prompts)
-    assert res0.spec.drafts == 0
+    assert res0.acceptance.drafts == 0
 
     engine.set_k_schedule([(1, 64, 5)])
     res5, d = drafted(engine, prompts)
@@ -78,7 +78,7 @@ def test_online_k_calibrates_on_the_engine_and_writes_its_choice(table_engine, t
     assert all(c > 0 for c in online.model.plain) and online.calibrate_s > 0
     assert online.counts.drafts > 0  # the k_max calibration generations gave the first counts
     res = engine.generate(prompts, temperature=1.0, max_tokens=16, seed=0)
-    metrics = online.update(engine, res.spec)
+    metrics = online.update(engine, res.acceptance)
     assert engine.k_schedule == online.choose()
     assert metrics["k/b1"] == k_at(engine.k_schedule, 1) and metrics["k/b4"] == k_at(engine.k_schedule, 4)
     assert 0 <= metrics["k/rate_pos_0"] <= 1 and metrics["k/changed"] in (0.0, 1.0)

@@ -98,7 +98,7 @@ def test_draft_lm_pretrain_and_vllm_serves_both(eagle3_run, toy_target, tmp_path
                            max_num_seqs=8, kv_cache_gib=1)
     try:
         res = engine.generate(["12+34=", "7*8="], temperature=1.0, max_tokens=16, seed=0)
-        assert res.spec.drafts > 0 and all(r.token_ids for r in res.rollouts)
+        assert res.acceptance.drafts > 0 and all(r.token_ids for r in res.rollouts)
     finally:
         engine.close()
 

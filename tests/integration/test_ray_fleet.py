@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from draftadapt.drafts.formats import META_FILE
-from draftadapt.init import init_draft
+from draftadapt.draft_init import init_draft
 
 from .conftest import flipped_copy, small_cfg, toy_prompts
 
@@ -76,7 +76,7 @@ def test_fleet_keeps_every_engine_on_the_newest_draft_through_kills(ray_cluster,
                 killer.join()
             # one rollout per prompt, in prompt order, whichever engine generated it
             assert [r.prompt_token_ids for r in gen.rollouts] == prompt_ids
-            boundary.report(gen.spec)
+            boundary.report(gen.acceptance)
             weights = drifted(weights, step)
             res = boundary.after_update(gen.rollouts, sampled_version=step, weights=weights, version=step + 1)
             published += int(res.metrics.get("adapt/published", 0.0))
@@ -124,7 +124,7 @@ def test_fleet_keeps_every_engine_on_the_newest_draft_through_kills(ray_cluster,
         after = {s["engine"]: fleet.call("draft_state")[i]["checksum"] for i, s in enumerate(fleet.status())}
         assert after == before and set(fleet.versions()["draft_version"].values()) == {live.version}
         gen = fleet.generate(prompts[:4], temperature=1.0, max_tokens=16, seed=1)
-        assert gen.spec.drafts > 0  # still drafting with the previous draft
+        assert gen.acceptance.drafts > 0  # still drafting with the previous draft
     finally:
         fleet.close()
         adapter.close()

@@ -13,7 +13,7 @@ import pytest
 
 from draftadapt.data.store import DraftStore
 from draftadapt.fileio import file_sha256
-from draftadapt.init import init_draft
+from draftadapt.draft_init import init_draft
 from draftadapt.spool import SpoolCursor, SpoolReader, SpoolWriter
 from draftadapt.toy.model import build_model
 

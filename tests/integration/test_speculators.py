@@ -26,7 +26,7 @@ from safetensors import safe_open
 from draftadapt.adapter import AdapterConfig, DraftAdapter, ScheduleConfig, ValidateConfig
 from draftadapt.drafts.eagle3 import default_aux_layers, init_from_target
 from draftadapt.drafts.formats import WEIGHTS_FILE, export_eagle3, load_eagle3
-from draftadapt.init import init_draft
+from draftadapt.draft_init import init_draft
 from draftadapt.train.trainer import TrainConfig
 
 from .conftest import REPO, start_engine, stop_engine, toy_prompts
@@ -274,7 +274,7 @@ def test_speculators_draft_imports_serves_and_adapts(toy_target, speculators_dra
     assert_same_logits(head.eval(), speculators_model(speculators_draft), ids, aux)
 
     prompts = toy_prompts(toy_target, 48)
-    served = engine.generate(prompts[:16], temperature=1.0, max_tokens=64, seed=1).spec
+    served = engine.generate(prompts[:16], temperature=1.0, max_tokens=64, seed=1).acceptance
     assert served.drafts > 0 and served.draft_tokens == 3 * served.drafts
     assert sum(served.accepted_per_pos) == served.accepted_tokens
     assert served.acceptance_length > 1.5, served  # a random head serves at about 1.0
@@ -286,14 +286,14 @@ def test_speculators_draft_imports_serves_and_adapts(toy_target, speculators_dra
     adapter = DraftAdapter(toy_target, imported, tmp_path / "adapt", cfg)
     try:
         adapter.observe(engine.generate(prompts, temperature=1.0, max_tokens=64, seed=2).rollouts, policy_version=0)
-        m = adapter.step()
+        m = adapter.run_round()
         assert m["adapt/trained"] == 1.0 and m["adapt/published"] == 1.0, m
         res = adapter.swap(engine)
         assert res is not None and engine.draft_state()["checksum"] == res.checksum
         published = adapter.store.latest().path
     finally:
         adapter.close()
-    after = engine.generate(prompts[:16], temperature=1.0, max_tokens=64, seed=1).spec
+    after = engine.generate(prompts[:16], temperature=1.0, max_tokens=64, seed=1).acceptance
     assert after.drafts > 0 and after.acceptance_length > 1.5, after
 
     config = json.loads((published / "config.json").read_text())

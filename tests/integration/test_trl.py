@@ -63,14 +63,14 @@ def test_engine_logprobs_match_trls_recomputed_logprobs_with_speculation_on(toy_
             reward_funcs=[lambda prompts, completions, **_: [0.0] * len(completions)],
             args=args, train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]), rollout_func=rollouts)
         trainer.model.train()
-        before = rollouts.engine.spec_counters()
+        before = rollouts.engine.acceptance_counters()
         out = trainer._generate_and_score_completions([{"prompt": p} for p in prompts for _ in range(4)])
-        spec = rollouts.engine.spec_counters() - before
+        acceptance = rollouts.engine.acceptance_counters() - before
     finally:
         rollouts.close()
 
     # speculation was on and drafts were accepted: the tokens went through verification
-    assert spec.drafts > 0 and spec.length > 1.2, spec.to_dict()
+    assert acceptance.drafts > 0 and acceptance.length > 1.2, acceptance.to_dict()
     mask = out["completion_mask"].bool()
     assert mask.sum() > 32 * 10
     ours, theirs = out["sampling_per_token_logps"][mask], out["old_per_token_logps"][mask]

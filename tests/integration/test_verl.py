@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from draftadapt.init import init_draft
+from draftadapt.draft_init import init_draft
 
 pytest.importorskip("verl", reason="verl is installed by scripts/setup.sh (pip install --no-deps verl==0.9.1)")
 

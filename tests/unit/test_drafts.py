@@ -14,7 +14,7 @@ from draftadapt.drafts.formats import (
     load_eagle3,
     target_fingerprint,
 )
-from draftadapt.init import init_draft
+from draftadapt.draft_init import init_draft
 from draftadapt.toy.model import ToyModelConfig, build_model
 from draftadapt.toy.tokenizer import build_tokenizer
 

@@ -25,7 +25,7 @@ def test_both_stores_give_the_same_training_batch(toy_target, tmp_path):
 
     from draftadapt.adapter import AdapterConfig, DraftAdapter
     from draftadapt.data.sequences import Sequence, collate
-    from draftadapt.init import init_draft
+    from draftadapt.draft_init import init_draft
     from draftadapt.toy.task import sample_problems
 
     draft0 = init_draft(toy_target, "eagle3", tmp_path / "draft0", seed=0)
@@ -57,7 +57,7 @@ def test_observe_takes_only_a_subset_hand_overs_rollouts(toy_target, tmp_path):
 
     from draftadapt.adapter import AdapterConfig, DraftAdapter
     from draftadapt.data.sequences import Sequence, collate
-    from draftadapt.init import init_draft
+    from draftadapt.draft_init import init_draft
     from draftadapt.toy.task import sample_problems
 
     adapter = DraftAdapter(toy_target, init_draft(toy_target, "eagle3", tmp_path / "draft0", seed=0), tmp_path / "run",

@@ -29,7 +29,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("capture", ("draftadapt.capture",)),
     ("train", ("draftadapt.train",)),
     ("adapter", ("draftadapt.publish", "draftadapt.adapter", "draftadapt.boundary", "draftadapt.online_k")),
-    ("commands", ("draftadapt.init", "draftadapt.pretrain", "draftadapt.evaluate", "draftadapt.sidecar",
+    ("commands", ("draftadapt.draft_init", "draftadapt.pretrain", "draftadapt.evaluate", "draftadapt.sidecar",
                   "draftadapt.integrations", "draftadapt.sim")),
     ("rl", ("draftadapt.rl",)),  # the demo's RL loop: takes a world, imports none
     ("worlds", ("draftadapt.toy", "draftadapt.smollm2")),
@@ -147,9 +147,9 @@ def test_the_engine_loads_no_training_code_and_only_the_command_line_imports_a_w
 
 
 def test_method_facts_load_without_torch():
-    """What the engine needs to know about a method (drafts/spec.py) imports no torch."""
+    """What the engine needs to know about a method (drafts/serving.py) imports no torch."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    code = ("import sys, draftadapt.drafts.spec as s; assert s.__file__.startswith(sys.argv[1]), s.__file__; "
+    code = ("import sys, draftadapt.drafts.serving as s; assert s.__file__.startswith(sys.argv[1]), s.__file__; "
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
     out = subprocess.run([sys.executable, "-c", code, str(PACKAGE)], capture_output=True, text=True, env=env,
                          cwd=REPO, timeout=60)

@@ -1,4 +1,4 @@
-"""train/methods.py (and drafts/spec.py, the serving facts it extends): one object per draft
+"""train/methods.py (and drafts/serving.py, the serving facts it extends): one object per draft
 method answers every per-method question."""
 
 import pytest
@@ -6,8 +6,8 @@ import torch
 
 from draftadapt.config import ConfigError
 from draftadapt.drafts.formats import DraftFormatError
-from draftadapt.drafts.spec import check_serves, spec_for
-from draftadapt.init import init_draft
+from draftadapt.drafts.serving import check_serves, serving_for
+from draftadapt.draft_init import init_draft
 from draftadapt.train.methods import DRAFT_LM, EAGLE3, method_for, method_of_dir
 
 from .test_drafts import make_target
@@ -33,8 +33,8 @@ def test_a_method_is_found_by_name_by_module_and_by_directory(drafts):
     with pytest.raises(DraftFormatError, match="unknown draft method 'medusa'"):
         method_for("medusa")
     # a method is its serving facts extended: the engine's answer and the trainer's are one
-    assert method_for(spec_for("eagle3")) is EAGLE3 and spec_for("draft_model").formats == DRAFT_LM.formats
-    assert EAGLE3.speculative_config("d", 3, 64) == spec_for("eagle3").speculative_config("d", 3, 64)
+    assert method_for(serving_for("eagle3")) is EAGLE3 and serving_for("draft_model").formats == DRAFT_LM.formats
+    assert EAGLE3.speculative_config("d", 3, 64) == serving_for("eagle3").speculative_config("d", 3, 64)
 
 
 def test_capture_setup_and_vocabulary_follow_the_method(drafts, tmp_path):

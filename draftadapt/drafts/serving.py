@@ -1,8 +1,8 @@
 """The draft methods' names and serving facts: what an engine needs to know, without torch.
 
-    spec = spec_for("eagle3")                         # a method name -> its serving facts
-    spec.speculative_config(draft_dir, k, max_len)    # vLLM's speculative_config
-    check_serves(spec, draft_dir, fmt, "set adapter.method={method}")
+    serving = serving_for("eagle3")                      # a method name -> its serving facts
+    serving.speculative_config(draft_dir, k, max_len)    # vLLM's speculative_config
+    check_serves(serving, draft_dir, fmt, "set adapter.method={method}")
 
 The serving layer (``engine/``) reads these and nothing of training; the per-method training
 strategies (``train/methods.py``) are these classes extended with how a draft is made, captured
@@ -22,7 +22,7 @@ class DraftFormatError(ValueError):
     """A draft directory that cannot serve the given target; the message says why and what to do."""
 
 
-class Eagle3Spec:
+class Eagle3Serving:
     """An Eagle-3 head on the target's aux hidden states (vLLM ``method="eagle3"``)."""
 
     name = "eagle3"
@@ -36,7 +36,7 @@ class Eagle3Spec:
         return {"method": self.name, "model": str(draft_dir), "num_speculative_tokens": k}
 
 
-class DraftLMSpec:
+class DraftLMServing:
     """A small draft LM sharing the target's tokenizer (vLLM ``method="draft_model"``)."""
 
     name = "draft_model"
@@ -50,7 +50,7 @@ class DraftLMSpec:
                 "max_model_len": max_model_len}
 
 
-class MTPSpec:
+class MTPServing:
     """The target's own MTP layers (vLLM ``method="mtp"``, MiMo layout; docs/design.md, "MTP")."""
 
     name = "mtp"
@@ -64,31 +64,31 @@ class MTPSpec:
         return {"method": self.name, "num_speculative_tokens": k}
 
 
-SPECS = (Eagle3Spec(), DraftLMSpec(), MTPSpec())  # in METHODS' order
-MethodSpec = Eagle3Spec | DraftLMSpec | MTPSpec
+SERVINGS = (Eagle3Serving(), DraftLMServing(), MTPServing())  # in METHODS' order
+MethodServing = Eagle3Serving | DraftLMServing | MTPServing
 
 
-def spec_for(name: str) -> MethodSpec:
+def serving_for(name: str) -> MethodServing:
     """The serving facts of a method name ("eagle3", "draft_model", "mtp")."""
-    for spec in SPECS:
-        if spec.name == name:
-            return spec
+    for serving in SERVINGS:
+        if serving.name == name:
+            return serving
     raise DraftFormatError(f"unknown draft method {name!r}; use one of {', '.join(METHODS)}")
 
 
-def spec_of_format(fmt: str) -> MethodSpec:
+def serving_of_format(fmt: str) -> MethodServing:
     """The method that serves a checkpoint layout (``formats.detect_format``)."""
-    eagle3, draft_lm, mtp = SPECS
+    eagle3, draft_lm, mtp = SERVINGS
     if fmt in mtp.formats:
         return mtp
     return draft_lm if fmt in draft_lm.formats else eagle3
 
 
-def check_serves(method: MethodSpec, draft_dir: str | Path, fmt: str | None, fix: str,
+def check_serves(method: MethodServing, draft_dir: str | Path, fmt: str | None, fix: str,
                  error: type[Exception] = DraftFormatError) -> None:
     """Refuse a draft directory in another method's layout (``fix``: what to set, with
     ``{method}`` for the right one): served or trained as the wrong method it runs without an
     error at acceptance 1.0 (docs/design.md, "Eagle-3 aux layers")."""
     if fmt is not None and fmt not in method.formats:
-        right = spec_of_format(fmt)
+        right = serving_of_format(fmt)
         raise error(f"{draft_dir} is {right.describe}; " + fix.format(method=right.name))
