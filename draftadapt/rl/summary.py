@@ -78,63 +78,85 @@ def whole_run(adapted: list[float], frozen: list[float], published: list[bool]) 
 def summarize(cfg: DemoConfig, history: list[dict], arms: dict, seconds: float, fresh: dict | None = None,
               rl_batch: tuple | None = None, baseline: dict | None = None,
               sync: dict | None = None) -> dict:
-    n = len(history)
-    last = max(1, n // 3)
-
-    def mean(xs):
-        xs = [x for x in xs if x == x]  # drop nan (a step where nothing was drafted)
-        return sum(xs) / len(xs) if xs else float("nan")
-
-    s = {"steps": n, "seconds": seconds, "spec": cfg.spec, "reward_per_step": [h["rl/reward"] for h in history],
-         "accuracy_per_step": [h["rl/accuracy"] for h in history], "arms": {},
+    """summary.json: the run's end-to-end step, each arm's acceptance and throughput, and the
+    comparisons the run has material for (the RL batch, a spec=false baseline, sync, the drift)."""
+    s = {"steps": len(history), "seconds": seconds, "spec": cfg.spec,
+         "reward_per_step": [h["rl/reward"] for h in history],
+         "accuracy_per_step": [h["rl/accuracy"] for h in history],
+         "arms": {name: _arm(name, ms, max(1, len(history) // 3)) for name, ms in arms.items()},
          "end_to_end": end_to_end(history),
          "arms_measured_at": f"{cfg.eval.prompts} eval prompts every step"}
-    for name, ms in arms.items():
-        s["arms"][name] = {
-            "acceptance_length_per_step": [m.get("acceptance_length") for m in ms],
-            "mean_tokens_per_s": throughput(ms),
-            "last_third_acceptance": mean([m["acceptance_length"] for m in ms[-last:]]) if name != "plain" else None,
-            # throughput: all tokens over all seconds (a mean of per-step rates over-weights
-            # the short, noisy timings of this 2-core machine)
-            "last_third_tokens_per_s": throughput(ms[-last:]),
-        }
     if rl_batch is not None:
-        p, f, a = rl_batch[:3]
-        measured = [("plain", p), ("frozen", f), ("adapted", a)]
-        s["rl_batch_arms"] = {
-            "measured_at": f"the last step's {cfg.grpo.prompts_per_step * cfg.grpo.group_size} rollout prompts "
-                           f"(the RL batch), final policy",
-            **{name: {"tokens_per_s": m["tokens_per_s"], "acceptance_length": m["acceptance_length"]}
-               for name, m in measured},
-            **{f"{name}_over_plain_tokens_per_s": m["tokens_per_s"] / p["tokens_per_s"] for name, m in measured[1:]},
-        }
-        if len(rl_batch) > 3:  # k_policy=online: the interleaved comparison (compare_k)
-            s["rl_batch_arms"]["online_vs_fixed_k"] = rl_batch[3]
+        s["rl_batch_arms"] = _rl_batch_arms(cfg, rl_batch)
     if baseline is not None:
-        b = baseline["end_to_end"]
-        e = s["end_to_end"]
-        s["vs_baseline"] = {
-            "baseline_rl_step_s": b["rl_step_s"],
-            "rl_step_speedup": b["rl_step_s"] / e["rl_step_s"],  # >= 1: the RL run is faster with draftadapt
-            "gen_speedup": b["gen_s"] / e["gen_s"],
-        }
-        if e["rl_step_without_adapter_s"] is not None:
-            s["vs_baseline"]["rl_step_speedup_without_adapter"] = b["rl_step_s"] / e["rl_step_without_adapter_s"]
+        s["vs_baseline"] = _vs_baseline(s["end_to_end"], baseline["end_to_end"])
     if cfg.async_lag:
-        e = s["end_to_end"]
-        # every generation of the run, the pipeline's fill included (it is in step 0's exposed time)
-        gen_s = e["gen_s"] + sum(h.get("async/fill_s", 0.0) for h in history) / max(1, n)
-        s["async"] = {"lag": cfg.async_lag, "threads_each": cfg.async_threads, "step_s": e["rl_step_s"],
-                      "exposed_gen_s": e["exposed_gen_s"], "gen_s": gen_s,
-                      # the share of the generation hidden behind the policy update and the adapter
-                      "overlap": 1 - e["exposed_gen_s"] / gen_s if gen_s > 0 else float("nan")}
-        if sync is not None:
-            b = sync["end_to_end"]
-            s["async"]["sync"] = {"run": cfg.sync, "step_s": b["rl_step_s"], "exposed_gen_s": b["gen_s"],
-                                  "last_third": sync.get("last_third")}
-            s["async"]["speedup_over_sync"] = b["rl_step_s"] / e["rl_step_s"]
-    if not cfg.spec:
-        return s
+        s["async"] = _async(cfg, history, s["end_to_end"], sync)
+    if cfg.spec:
+        _drift(s, history, fresh)
+    return s
+
+
+def _mean(xs) -> float:
+    xs = [x for x in xs if x == x]  # drop nan (a step where nothing was drafted)
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def _arm(name: str, ms: list[dict], last: int) -> dict:
+    return {
+        "acceptance_length_per_step": [m.get("acceptance_length") for m in ms],
+        "mean_tokens_per_s": throughput(ms),
+        "last_third_acceptance": _mean([m["acceptance_length"] for m in ms[-last:]]) if name != "plain" else None,
+        # throughput: all tokens over all seconds (a mean of per-step rates over-weights
+        # the short, noisy timings of this 2-core machine)
+        "last_third_tokens_per_s": throughput(ms[-last:]),
+    }
+
+
+def _rl_batch_arms(cfg: DemoConfig, rl_batch: tuple) -> dict:
+    p, f, a = rl_batch[:3]
+    measured = [("plain", p), ("frozen", f), ("adapted", a)]
+    out = {
+        "measured_at": f"the last step's {cfg.grpo.prompts_per_step * cfg.grpo.group_size} rollout prompts "
+                       f"(the RL batch), final policy",
+        **{name: {"tokens_per_s": m["tokens_per_s"], "acceptance_length": m["acceptance_length"]}
+           for name, m in measured},
+        **{f"{name}_over_plain_tokens_per_s": m["tokens_per_s"] / p["tokens_per_s"] for name, m in measured[1:]},
+    }
+    if len(rl_batch) > 3:  # k_policy=online: the interleaved comparison (compare_k)
+        out["online_vs_fixed_k"] = rl_batch[3]
+    return out
+
+
+def _vs_baseline(e: dict, b: dict) -> dict:
+    """This run's end-to-end step ``e`` against a spec=false run's ``b``."""
+    out = {
+        "baseline_rl_step_s": b["rl_step_s"],
+        "rl_step_speedup": b["rl_step_s"] / e["rl_step_s"],  # >= 1: the RL run is faster with draftadapt
+        "gen_speedup": b["gen_s"] / e["gen_s"],
+    }
+    if e["rl_step_without_adapter_s"] is not None:
+        out["rl_step_speedup_without_adapter"] = b["rl_step_s"] / e["rl_step_without_adapter_s"]
+    return out
+
+
+def _async(cfg: DemoConfig, history: list[dict], e: dict, sync: dict | None) -> dict:
+    # every generation of the run, the pipeline's fill included (it is in step 0's exposed time)
+    gen_s = e["gen_s"] + sum(h.get("async/fill_s", 0.0) for h in history) / max(1, len(history))
+    out = {"lag": cfg.async_lag, "threads_each": cfg.async_threads, "step_s": e["rl_step_s"],
+           "exposed_gen_s": e["exposed_gen_s"], "gen_s": gen_s,
+           # the share of the generation hidden behind the policy update and the adapter
+           "overlap": 1 - e["exposed_gen_s"] / gen_s if gen_s > 0 else float("nan")}
+    if sync is not None:
+        b = sync["end_to_end"]
+        out["sync"] = {"run": cfg.sync, "step_s": b["rl_step_s"], "exposed_gen_s": b["gen_s"],
+                       "last_third": sync.get("last_third")}
+        out["speedup_over_sync"] = b["rl_step_s"] / e["rl_step_s"]
+    return out
+
+
+def _drift(s: dict, history: list[dict], fresh: dict | None) -> None:
+    """The drafts against each other: whole_run, last_third and the fresh-final comparison, into ``s``."""
     a, f, p = s["arms"]["adapted"], s["arms"]["frozen"], s["arms"]["plain"]
     s["whole_run"] = whole_run(a["acceptance_length_per_step"], f["acceptance_length_per_step"],
                                [h.get("adapt/published", 0.0) > 0 for h in history])
@@ -152,7 +174,7 @@ def summarize(cfg: DemoConfig, history: list[dict], arms: dict, seconds: float, 
         s["fresh_final"] = fresh
         s["last_third"]["adapted_over_fresh_final_acceptance"] = a["last_third_acceptance"] / fresh["acceptance_length"]
         s["adapted_final_over_fresh_final_acceptance"] = fresh["adapted_final_acceptance"] / fresh["acceptance_length"]
-    return s
+
 
 def plot(history: list[dict], path: Path) -> None:
     import matplotlib
