@@ -233,9 +233,10 @@ class DemoConfig:
         demo_adapter(self)  # adapter.k=4 beside k=3 (or method, temperature) is refused before anything runs
 
 def world_defaults(world: str) -> dict:
-    """The RL run's sizes for ``world`` where they are not the toy's: SmolLM2's batch, lengths and
-    steps fit about 45 minutes on 2 cores (docs/design.md, "A real model"). A key given on the
-    command line or in a YAML file still sets only itself."""
+    """The RL run's sizes for ``world`` where they are not the toy's. SmolLM2's are aimed at about
+    45 minutes on 2 cores and not yet met: a step with its measurement arms took ~5-15 min on a
+    shared machine (docs/results.md, "A real model"). A key given on the command line or in a YAML
+    file still sets only itself."""
     if world != "smollm2":
         return {}
     return {"grpo": GRPOConfig(steps=15, prompts_per_step=8, group_size=4, max_tokens=128, lr=5e-5, warmup_steps=2,
