@@ -1,10 +1,13 @@
-"""TRL's GRPOTrainer, unmodified, on the toy world, with draftadapt attached through its rollout_func.
+"""TRL's GRPOTrainer, unmodified, on a world of the demo's, with draftadapt attached through its rollout_func.
 
     .venv/bin/python recipes/trl_grpo_toy.py --out runs/trl [--steps 16] [--toy DIR] [--draft DIR]
+    .venv/bin/python recipes/trl_grpo_toy.py --world smollm2 --out runs/trl_smol --target runs/smol/model --draft D
 
-Builds (or reuses) the toy target and a pretrained Eagle-3 draft, then runs TRL 1.16's GRPO on
-the toy task on CPU: the toy target is the policy, the reward is the demo's (correct final answer
-plus a bonus for the verbose style, which moves the policy away from what the draft was
+Builds (or reuses) the world's target and a pretrained Eagle-3 draft (``--world``: the toy, the
+default, or SmolLM2-135M-Instruct on word problems, as ``draftadapt demo world=``; its RL sizes are
+the demo's for that world), then runs TRL 1.16's GRPO on CPU: the target is the policy, the reward
+is the world's (correct final answer plus a bonus for the style RL drifts to, the toy's verbose
+answers or SmolLM2's answer line, which moves the policy away from what the draft was
 pretrained on), rollouts come from draftadapt's vLLM engine with speculation
 (``draftadapt.integrations.trl.SpeculativeRollouts``) and the draft is adapted online. After
 every optimizer step the frozen pretrained draft and the adapted one are measured on the same
@@ -28,23 +31,29 @@ import json
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Literal
 from pathlib import Path
 
 import torch
 
 from draftadapt.adapter import AdapterConfig
 from draftadapt.config import ConfigError, load_config, pass_down, save_config
-from draftadapt.toy import PRETRAIN_RECIPE, task
-from draftadapt.rl.config import pretrain_overrides, toy_adapter
+from draftadapt.demo import make_world
+from draftadapt.rl.config import toy_adapter, world_defaults
 from draftadapt.rl.summary import whole_run
 
 
 @dataclass
 class TRLToyConfig:
     out: str = "runs/trl"
-    toy: str | None = None  # reuse a built toy target (default: OUT/toy, built once)
+    # the demo's worlds (draftadapt/rl/world.py): "toy" or "smollm2"; the sizes below are the toy's,
+    # smollm2's are the demo's for it (section_defaults)
+    world: Literal["toy", "smollm2"] = "toy"
+    # reuse a built target (the toy's `toy build` dir or `smollm2 build`'s; default: built once
+    # into OUT/toy or OUT/model); --toy is the same
+    target: str | None = None
     draft: str | None = None  # reuse a pretrained Eagle-3 draft (default: OUT/draft0, pretrained once)
-    pretrain_recipe: str = str(PRETRAIN_RECIPE)  # the demo's draft pretraining (package data)
+    pretrain_recipe: str = ""  # how that draft is pretrained; empty: the world's own (package data)
     seed: int = 0
     # GRPO optimizer steps with draftadapt: the policy drifts from the draft slowly at first, so
     # fewer steps end before the frozen draft has fallen (docs/design.md, "TRL integration")
@@ -57,7 +66,7 @@ class TRLToyConfig:
     lr: float = 7e-4  # the demo's policy rate and warmup (its GRPOConfig explains both)
     warmup_steps: int = 3
     beta: float = 0.1  # KL to the initial policy, as the demo
-    style: str = "verbose"  # the demo's reward: correct answer + style_bonus for this style
+    style: str = ""  # the demo's reward: correct answer + style_bonus for this style (empty: the world's)
     style_bonus: float = 1.0
     k: int = 3  # the engine's draft length; passed down to adapter.k by SpeculativeRollouts
     # torch threads of this process (trainer and in-process engine), both cores as the demo; on a
@@ -71,9 +80,25 @@ class TRLToyConfig:
     # (2..baseline_steps) of the draftadapt run: completions grow as the policy drifts, so later
     # steps cost more whatever generates them.
     baseline_steps: int = 4
-    # the demo's draft: pretrained on this many prompts (draftadapt/rl/config.py, DemoConfig explains it)
+    # the demo's draft: pretrained on this many prompts (draftadapt/rl/config.py, DemoConfig explains
+    # it; 0 = the recipe's own)
     pretrain_prompts: int = 768
     adapter: AdapterConfig = field(default_factory=toy_adapter)  # the demo's online schedule
+    # what the worlds' prepare() also reads: an Eagle-3 head, pretrained (SpeculativeRollouts serves Eagle-3)
+    method = "eagle3"
+    initial_draft = "pretrain"
+
+    @staticmethod
+    def section_defaults(data: dict) -> dict:
+        """The RL sizes of the demo's world (rl/config.py::world_defaults), where it has its own;
+        a key given still sets only itself."""
+        d = world_defaults(str(data.get("world", TRLToyConfig.world)))
+        if not d:
+            return {}
+        g, e = d["grpo"], d["eval"]
+        return {"steps": g.steps, "prompts_per_step": g.prompts_per_step, "group_size": g.group_size,
+                "micro_batch": g.micro_batch, "max_tokens": g.max_tokens, "lr": g.lr, "warmup_steps": g.warmup_steps,
+                "beta": g.kl_coef, "eval_prompts": e.prompts, "pretrain_prompts": d["pretrain_prompts"]}
 
     def validate(self) -> None:
         # what SpeculativeRollouts refuses (an Eagle-3 head at k), refused before the world is built
@@ -81,26 +106,19 @@ class TRLToyConfig:
                   temperature=("temperature", self.temperature))
 
 
-def prepare_world(cfg, out: Path) -> tuple[Path, Path]:
-    """The toy target and a draft pretrained on it (built once; reused from OUT on a rerun)."""
-    from draftadapt.toy.world import prepare_toy_world
+def reward_funcs(cfg: TRLToyConfig, world):
+    """The world's reward as two TRL reward functions (TRL logs each one's mean and adds them).
+    TRL hands them the dataset's other columns: ``answer``, each prompt's."""
+    def correct(prompts, completions, answer, **_):
+        return [world.score({"answer": a}, c, cfg)[1] for a, c in zip(answer, completions)]
 
-    return prepare_toy_world(out, cfg.toy, cfg.draft, cfg.seed, cfg.pretrain_recipe, 
-                             pretrain_overrides(cfg.pretrain_recipe, "eagle3", cfg.k, cfg.pretrain_prompts), tag="trl")
-
-
-def reward_funcs(cfg: TRLToyConfig):
-    """The demo's reward as two TRL reward functions (TRL logs each one's mean and adds them)."""
-    def correct(prompts, completions, **_):
-        return [task.reward(p, c) for p, c in zip(prompts, completions)]
-
-    def style(prompts, completions, **_):
-        return [cfg.style_bonus * float(task.style_of(c) == cfg.style) for c in completions]
+    def style(prompts, completions, answer, **_):
+        return [cfg.style_bonus * float(world.score({"answer": a}, c, cfg)[2]) for a, c in zip(answer, completions)]
 
     return [correct, style]
 
 
-def make_trainer(cfg: TRLToyConfig, toy: Path, out_dir: Path, steps: int, rollout_func=None, callbacks=()):
+def make_trainer(cfg: TRLToyConfig, world, target: Path, out_dir: Path, steps: int, rollout_func=None, callbacks=()):
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
@@ -108,7 +126,7 @@ def make_trainer(cfg: TRLToyConfig, toy: Path, out_dir: Path, steps: int, rollou
     n = cfg.prompts_per_step * cfg.group_size
     if n % cfg.micro_batch:
         raise ConfigError(f"prompts_per_step x group_size = {n} is not a multiple of micro_batch {cfg.micro_batch}")
-    problems = task.sample_problems(cfg.prompts_per_step * steps, cfg.seed)
+    problems = world.sample_problems(target, cfg.prompts_per_step * steps, cfg.seed)
     args = GRPOConfig(
         output_dir=str(out_dir), use_cpu=True, use_vllm=False, max_steps=steps, seed=cfg.seed,
         per_device_train_batch_size=cfg.micro_batch, gradient_accumulation_steps=n // cfg.micro_batch,
@@ -122,10 +140,10 @@ def make_trainer(cfg: TRLToyConfig, toy: Path, out_dir: Path, steps: int, rollou
         # memory a 5M-parameter policy does not need). float32 as the demo's own GRPO loop.
         bf16=False, gradient_checkpointing=False,
     )
-    model = AutoModelForCausalLM.from_pretrained(str(toy), dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(str(toy))
-    return GRPOTrainer(model=model, reward_funcs=reward_funcs(cfg), args=args, processing_class=tokenizer,
-                       train_dataset=Dataset.from_list([{"prompt": p["prompt"]} for p in problems]),
+    model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(str(target))
+    return GRPOTrainer(model=model, reward_funcs=reward_funcs(cfg, world), args=args, processing_class=tokenizer,
+                       train_dataset=Dataset.from_list([{"prompt": p["prompt"], "answer": p["answer"]} for p in problems]),
                        rollout_func=rollout_func, callbacks=list(callbacks))
 
 
@@ -190,15 +208,15 @@ def mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
 
-def run_baseline(cfg: TRLToyConfig, toy: Path, out: Path, name: str, engine: bool) -> dict:
+def run_baseline(cfg: TRLToyConfig, world, target: Path, out: Path, name: str, engine: bool) -> dict:
     """TRL without draftadapt for cfg.baseline_steps steps: its own generation, or vLLM rollouts
     without speculation (SpeculativeRollouts with no draft)."""
     from draftadapt.integrations.trl import SpeculativeRollouts
 
-    rollouts = SpeculativeRollouts(toy, None, engine_kwargs={"threads": cfg.engine_threads, "seed": cfg.seed}) \
+    rollouts = SpeculativeRollouts(target, None, engine_kwargs={"threads": cfg.engine_threads, "seed": cfg.seed}) \
         if engine else None
     try:
-        trainer = make_trainer(cfg, toy, out / name, cfg.baseline_steps, rollout_func=rollouts)
+        trainer = make_trainer(cfg, world, target, out / name, cfg.baseline_steps, rollout_func=rollouts)
         torch.set_num_threads(cfg.engine_threads)
         trainer.train()
     finally:
@@ -213,12 +231,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None)
     ap.add_argument("--steps", type=int, default=None)
-    ap.add_argument("--toy", default=None)
+    ap.add_argument("--world", default=None, help="toy (default) or smollm2")
+    ap.add_argument("--target", "--toy", dest="target", default=None, help="a built target to reuse")
     ap.add_argument("--draft", default=None)
     ap.add_argument("overrides", nargs="*", help="key=value overrides of TRLToyConfig")
     a = ap.parse_args(argv)
-    overrides = list(a.overrides) + [f"{k}={v}" for k, v in
-                                     (("out", a.out), ("steps", a.steps), ("toy", a.toy), ("draft", a.draft))
+    overrides = list(a.overrides) + [f"{k}={v}" for k, v in (("out", a.out), ("steps", a.steps), ("world", a.world),
+                                                              ("target", a.target), ("draft", a.draft))
                                      if v is not None]
     try:
         cfg = load_config(TRLToyConfig, None, overrides)
@@ -229,17 +248,18 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     save_config(cfg, out / "config.yaml")
-    toy, draft0 = prepare_world(cfg, out)
+    world = make_world(cfg.world)
+    target, draft0 = world.prepare(cfg, out)  # built once into OUT (or given), reused on a rerun
 
     # ---- the TRL run with draftadapt: the lines a TRL user adds are marked (+)
     from draftadapt.integrations.trl import SpeculativeRollouts
 
-    rollouts = SpeculativeRollouts(toy, draft0, out / "drafts", adapter_cfg=cfg.adapter, k=cfg.k,  # (+)
+    rollouts = SpeculativeRollouts(target, draft0, out / "drafts", adapter_cfg=cfg.adapter, k=cfg.k,  # (+)
                                    engine_kwargs={"threads": cfg.engine_threads, "seed": cfg.seed})
-    eval_prompts = [p["prompt"] for p in task.load_heldout(toy)[: cfg.eval_prompts]]
+    eval_prompts = world.heldout_prompts(target, cfg.eval_prompts)
     arms: dict[str, list[dict]] = {"frozen": [], "adapted": []}
     try:
-        trainer = make_trainer(cfg, toy, out / "trl", cfg.steps, rollout_func=rollouts,  # (+ rollout_func)
+        trainer = make_trainer(cfg, world, target, out / "trl", cfg.steps, rollout_func=rollouts,  # (+ rollout_func)
                                callbacks=[make_arms_callback(rollouts, draft0, eval_prompts, cfg, arms)])
         torch.set_num_threads(cfg.engine_threads)  # vLLM lowered it to 1 at start-up; the trainer takes both
         t0 = time.perf_counter()
@@ -253,13 +273,13 @@ def main(argv: list[str] | None = None) -> int:
     # ---- TRL without draftadapt, same settings, for its step time
     baselines = {}
     if cfg.baseline_steps:
-        baselines["trl_generate"] = run_baseline(cfg, toy, out, "trl_generate", engine=False)
-        baselines["vllm_no_spec"] = run_baseline(cfg, toy, out, "vllm_no_spec", engine=True)
+        baselines["trl_generate"] = run_baseline(cfg, world, target, out, "trl_generate", engine=False)
+        baselines["vllm_no_spec"] = run_baseline(cfg, world, target, out, "vllm_no_spec", engine=True)
 
     # ---- summary (the demo's shape)
     n = len(history)
     last = max(1, n // 3)
-    s = {"steps": n, "seconds": loop_seconds, "spec": True, "framework": "trl " + __import__("trl").__version__,
+    s = {"world": cfg.world, "steps": n, "seconds": loop_seconds, "spec": True, "framework": "trl " + __import__("trl").__version__,
          "reward_per_step": [h.get("reward") for h in logs],
          "accuracy_per_step": [h.get("rewards/correct/mean") for h in logs],
          "style_frac_per_step": [h.get("rewards/style/mean", 0.0) / cfg.style_bonus for h in logs],
@@ -302,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     s["tensorboard"] = sorted(str(p) for p in (out / "trl").rglob("events.out.tfevents.*"))
     s["total_seconds"] = time.perf_counter() - t_run
     (out / "summary.json").write_text(json.dumps(s, indent=2) + "\n")
-    line = {"steps": n, "adapted_over_frozen_acceptance": round(aa / fa, 3),
+    line = {"world": cfg.world, "steps": n, "adapted_over_frozen_acceptance": round(aa / fa, 3),
             "frozen_last_third": round(fa, 3), "adapted_last_third": round(aa, 3),
             **{k: round(v, 3) for k, v in s["whole_run"].items() if k in ("adapted_worst_over_start", "adapted_retention")},
             "drafts_published": s["drafts"]["published"], "drafts_swapped_in": s["drafts"]["swapped_in"],

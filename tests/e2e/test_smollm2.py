@@ -135,3 +135,33 @@ def test_the_readme_commands_on_the_real_model(smollm2_model, tmp_path):
     assert e["k"] == 3 and 1.0 <= e["acceptance_length_measured"] <= 4.0
     # the offline estimate follows vLLM's count (measured 1.307 against 1.301 on 64 prompts)
     assert abs(e["acceptance_length_simulated"] - e["acceptance_length_measured"]) < 0.15, e
+
+
+def test_trl_recipe_on_the_real_model(smollm2_model, tmp_path):
+    """`python recipes/trl_grpo_toy.py --world smollm2 ...` (README, "On a real model"), shortened:
+    TRL's GRPOTrainer on SmolLM2 with the world's chat prompts and reward, the head adapted and
+    swapped in, both arms measured on the world's held-out prompts."""
+    draft = init_draft(smollm2_model, "eagle3", tmp_path / "draft0", seed=0, draft_vocab=DRAFT_VOCAB)
+    out = tmp_path / "trl"
+    proc = subprocess.run(
+        [sys.executable, "recipes/trl_grpo_toy.py", "--world", "smollm2", "--out", str(out), "--steps", "2",
+         "--target", str(smollm2_model), "--draft", str(draft), "prompts_per_step=2", "micro_batch=8",
+         "max_tokens=24", "eval_prompts=2", "baseline_steps=0", "adapter.schedule.every_n_steps=1",
+         "adapter.schedule.train_steps=2", "adapter.train.batch_size=4", "adapter.schedule.min_sequences=4",
+         "adapter.schedule.max_train_steps=0", "adapter.schedule.max_share=0", "adapter.train.warmup_steps=0",
+         "adapter.validation.max_heldout=4"],
+        capture_output=True, text=True, timeout=1200, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    line = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert (line["world"], line["steps"]) == ("smollm2", 2)
+    s = json.loads((out / "summary.json").read_text())
+    cfg = (out / "config.yaml").read_text()
+    # the world's own sizes where none was given: the demo's for SmolLM2 (lr 5e-5, KL 0.05)
+    assert "lr: 5.0e-05" in cfg and "beta: 0.05" in cfg and "group_size: 4" in cfg, cfg
+    for arm in ("frozen", "adapted"):
+        per_step = s["arms"][arm]["acceptance_length_per_step"]
+        assert len(per_step) == 2 and all(1.0 <= a <= 4.0 for a in per_step), per_step
+    # a round trains the untrained head past itself: published and served by the engine
+    assert s["drafts"]["published"] >= 1 and s["drafts"]["swapped_in"] == s["drafts"]["published"]
+    # the reward is the world's: correctness and the answer line, each a share of the batch
+    assert all(0.0 <= x <= 1.0 for x in s["style_frac_per_step"] + s["accuracy_per_step"]), s
