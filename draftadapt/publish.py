@@ -145,7 +145,7 @@ class Publisher:
 
     def _write(self, job: PendingWrite, draft: nn.Module, state: dict[str, Any]) -> None:
         """The writer's part: the version (exported, hashed, renamed into place: visible whole or
-        not at all, docs/design.md "Crash safety"), then the trainer state beside it."""
+        not at all: data/store.py, "Crash safety"), then the trainer state beside it."""
         t0 = time.perf_counter()
         try:
             self.store.publish(self._exporter(draft, job.policy_version), policy_version=job.policy_version,
