@@ -181,18 +181,25 @@ def test_a_swap_raises_a_failed_write_of_the_version_it_waits_for(toy_target, tm
     adapter.close()
 
 
-def test_close_waits_for_the_write_in_flight(toy_target, tmp_path):
-    adapter = make_adapter(toy_target, tmp_path)
+def waits_for_the_write(adapter, call):
+    """Publish with the writer held at its gate and run ``call`` in a thread: it is still waiting
+    a second later and returns once the gate opens. Returns (the version, what ``call`` returned)."""
     train_a_little(adapter)
     started, gate = hold_writes(adapter.publisher)
     version = adapter.publisher.publish(policy_version=1)
     assert started.wait(60)
-    t, box = in_thread(adapter.close)
+    t, box = in_thread(call)
     t.join(1.0)
-    assert t.is_alive()
+    assert t.is_alive(), "it returned before the write it should wait for"
     gate.set()
     t.join(60)
     assert "error" not in box, box.get("error")
+    return version, box.get("result")
+
+
+def test_close_waits_for_the_write_in_flight(toy_target, tmp_path):
+    adapter = make_adapter(toy_target, tmp_path)
+    version, _ = waits_for_the_write(adapter, adapter.close)
     assert DraftStore(tmp_path / "run", readonly=True).latest().version == version
     state = torch.load(tmp_path / "run" / ".trainer" / "resume.pt", weights_only=True)
     assert state["draft_version"] == version
@@ -200,16 +207,8 @@ def test_close_waits_for_the_write_in_flight(toy_target, tmp_path):
 
 def test_reading_the_store_through_the_adapter_waits_for_what_it_published(toy_target, tmp_path):
     adapter = make_adapter(toy_target, tmp_path)
-    train_a_little(adapter)
-    started, gate = hold_writes(adapter.publisher)
-    version = adapter.publisher.publish(policy_version=1)
-    assert started.wait(60)
-    t, box = in_thread(lambda: adapter.store.latest().version)
-    t.join(1.0)
-    assert t.is_alive()
-    gate.set()
-    t.join(60)
-    assert box.get("result") == version and adapter.live_version == version
+    version, latest = waits_for_the_write(adapter, lambda: adapter.store.latest().version)
+    assert latest == version and adapter.live_version == version
     adapter.close()
 
 
