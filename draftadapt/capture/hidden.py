@@ -303,6 +303,8 @@ class HandOver(HandedOver):
     "logp") the log-probs [T, Vd] at the engine's sampling temperature over the draft's
     vocabulary: the distribution the policy *sampled these rollouts from*, which is the one the
     draft should match while the engine serves that version (docs/design.md, "Hand-over").
+    On a GPU add() returns before its rows are in host memory (:class:`HostCopies`: pinned
+    buffers, a side stream); :meth:`tensors` and :meth:`detach` wait for them.
     """
 
     def __init__(self, model: nn.Module, aux_layer_ids: list[int] | None, draft_to_target: torch.Tensor | None,
