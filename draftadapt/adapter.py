@@ -153,6 +153,12 @@ class AdapterConfig:
     # head when a batch is built (16x less host memory and copying at 8B widths; docs/design.md,
     # "On a GPU").
     handover_store: str = "logp"
+    # A round's publish copies the draft and the trainer state and returns; one writer thread
+    # writes, hashes and renames the version into place beside what the run does next. A swap
+    # waits only for the version it swaps; reading the store through the adapter waits for every
+    # version it published (docs/design.md, "Publishing beside the next round"). False: the round
+    # writes the version before it returns.
+    publish_background: bool = True
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     validation: ValidateConfig = field(default_factory=ValidateConfig)  # the gate before a publish
     # old key -> new key: a config.yaml saved before a rename fails naming the new key
@@ -389,17 +395,18 @@ class DraftAdapter:
             self.cfg.replay_max_tokens, self.cfg.replay_max_bytes, self.cfg.recency_decay,
             holdout_fraction=self.cfg.validation.heldout_fraction, max_heldout=self.cfg.validation.max_heldout,
         )
-        self.store = DraftStore(out_dir)
-        self.publisher = Publisher(self.store, self.trainer, self.method, fmt, self.policy_dir, self.cfg.k)
+        self._store = DraftStore(out_dir)
+        self.publisher = Publisher(self._store, self.trainer, self.method, fmt, self.policy_dir, self.cfg.k,
+                                   background=self.cfg.publish_background)
         self.rng = random.Random(self.cfg.train.seed)
         self.trigger = DriftTrigger(self.cfg.schedule)
         self.cost = CostMeter(self.cfg.schedule.max_share)
         self.gate = ValidationGate(self.cfg.validation, self.cfg.k)
-        self.swaps = EngineSwaps(self.store)
+        self.swaps = EngineSwaps(self._store)
         self._simulated: dict[int, float] = {}  # published version -> its simulated acceptance length
         self._round: Future | None = None  # a round started by start_round, not yet finished
         self._round_pool: ThreadPoolExecutor | None = None
-        latest = self.store.latest()
+        latest = self._store.latest()
         # what a restart continued from: "start" (a new run), "published" (the newest version's
         # weights, fresh optimizer) or "checkpoint" (its weights and the trainer state beside it)
         self.resumed_from = "start"
@@ -591,6 +598,9 @@ class DraftAdapter:
             self._simulated[version] = candidate
             metrics["adapt/published"] = 1.0
             metrics["draft/published_version"] = float(version)
+            # on the round's path: the copies; the write before this one, done beside the run
+            metrics["publish/copy_s"] = self.publisher.copy_s
+            metrics["publish/write_s"] = self.publisher.write_s
         else:
             metrics["adapt/rejected"] = 1.0
         self.trigger.trained(published, candidate, live)
@@ -652,9 +662,26 @@ class DraftAdapter:
 
     def publish(self, policy_version: int | None = None) -> int:
         """Write the trainer's current draft as a new version (atomic), tagged with the policy
-        version it was trained against (default: the adapter's current one)."""
+        version it was trained against (default: the adapter's current one); in the store when
+        this returns."""
         self._wait_round()
-        return self.publisher.publish(self.policy_version if policy_version is None else policy_version)
+        version = self.publisher.publish(self.policy_version if policy_version is None else policy_version)
+        self.publisher.wait()
+        return version
+
+    def wait_published(self, max_policy_version: int | None = None) -> None:
+        """Until every version this adapter published is in the store with its trainer state
+        (None), or the newest of them an engine at ``max_policy_version`` may serve. A background
+        write that failed raises here (AdapterConfig.publish_background)."""
+        self.publisher.wait(max_policy_version)
+
+    @property
+    def store(self) -> DraftStore:
+        """The draft store, with every version this adapter published in it: a write still under
+        way is waited for (AdapterConfig.publish_background), so what is read here is what the
+        adapter published."""
+        self.publisher.wait()
+        return self._store
 
     @property
     def live_version(self) -> int | None:
@@ -690,13 +717,15 @@ class DraftAdapter:
             wait([self._round])
 
     def close(self) -> None:
-        """Finish an open background round and stop its thread (nothing else to release)."""
+        """Finish an open background round and the publisher's writes in flight (a failed one
+        raises) and stop their threads (nothing else to release)."""
         try:
             self.finish_round()
         finally:
             if self._round_pool is not None:
                 self._round_pool.shutdown(wait=True)
                 self._round_pool = None
+            self.publisher.close()
 
     # ------------------------------------------------------------------ engine side
 
@@ -712,6 +741,7 @@ class DraftAdapter:
         (:meth:`DraftStore.swap_newest_into`: never one trained on a newer policy than the engine
         serves, never an older version than it served). Returns the SwapResult or None."""
         self._wait_round()
+        self.publisher.wait(engine.policy_version)  # only for the version it may swap in
         res = self.swaps.swap(engine)
         if res is not None:
             self._log({"swap/ms": res.ms, "draft/version": float(res.version)})
@@ -724,7 +754,8 @@ class DraftAdapter:
         from draftadapt.data.store import DraftPackage
 
         self._wait_round()
-        dv = self.store.latest(max_policy_version=max_policy_version, newer_than=newer_than)
+        self.publisher.wait(max_policy_version)
+        dv = self._store.latest(max_policy_version=max_policy_version, newer_than=newer_than)
         return None if dv is None else DraftPackage.read(dv)
 
     @_timed

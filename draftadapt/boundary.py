@@ -209,6 +209,9 @@ class StepBoundary:
             return poll
         try:
             poll.metrics = self.adapter.run_round()
+            # the sidecar marks these shards consumed next: its version written first, so a write
+            # that fails is this round's failure (engines elsewhere read the store for it)
+            self.adapter.wait_published()
         except Exception as exc:  # noqa: BLE001 - whatever a round raises, the caller drops its shards
             poll.error = exc
         return poll

@@ -2,7 +2,9 @@
 
 :class:`Publisher` writes the trainer's draft as the next version of a :class:`DraftStore` (atomic,
 versioned), keeps it in memory as the live draft, and keeps the trainer state beside it so a
-restart over the same directory trains on from it (docs/design.md, "Checks at the door").
+restart over the same directory trains on from it (docs/design.md, "Checks at the door"). A
+round's publish copies the draft and the trainer state and hands the write and the hash to one
+writer thread, beside the next round (docs/design.md, "Publishing beside the next round").
 :class:`EngineSwaps` is the engine side: the newest version an engine may serve swapped in, and
 the check after a policy sync that it is still the one serving.
 """
@@ -10,7 +12,11 @@ the check after a policy sync that it is still the one serving.
 from __future__ import annotations
 
 import logging
+import threading
+import time
 import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,12 +34,42 @@ log = logging.getLogger("draftadapt.adapter")
 RESUME_FILE = ".trainer/resume.pt"
 
 
+def host_copy(obj: Any) -> Any:
+    """``obj`` (tensors in dicts, lists and tuples, as a state dict holds them) with every tensor
+    copied into host memory: what a writer thread may read while the trainer's next steps update
+    the originals in place."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: host_copy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(host_copy(v) for v in obj)
+    return obj
+
+
+@dataclass
+class PendingWrite:
+    """One version handed to the writer thread: ``written`` resolves when its directory is in the
+    store (what a swap of it waits for), ``done`` when the trainer state beside it is saved too."""
+
+    version: int
+    policy_version: int
+    written: Future = field(default_factory=Future)
+    done: Future | None = None
+
+
 class Publisher:
     """Publishes the trainer's draft for ``policy_dir`` into ``store``; ``live`` is the newest
-    published draft (eval mode), as the engine serves it apart from modules shared with the policy."""
+    published draft (eval mode), as the engine serves it apart from modules shared with the policy.
+
+    ``background``: :meth:`publish` returns once the draft and the trainer state are copied; one
+    writer thread writes, hashes and renames the version into place, then saves the trainer
+    state, while the caller goes on. :meth:`wait` is where a caller that reads the store waits for
+    a version, and where a failed write raises. False: every publish is written before it returns.
+    """
 
     def __init__(self, store: DraftStore, trainer: DraftTrainer, method: DraftMethod, fmt: str,
-                 policy_dir: Path, k: int):
+                 policy_dir: Path, k: int, background: bool = True):
         self.store = store
         self.trainer = trainer
         self.method = method
@@ -43,18 +79,29 @@ class Publisher:
         self.dtype = model_dtype(policy_dir)  # published drafts follow the target's dtype
         self.resume_path = store.out_dir / RESUME_FILE
         self.live: nn.Module | None = None
+        # ZeRO-3 gathers the draft on every rank inside export: the writes stay in the caller's order
+        self.background = background and not trainer.is_deepspeed
+        self.copy_s = 0.0  # the last publish's time on its caller's path (the copies)
+        self.write_s = 0.0  # the last completed background write's time (export, hash, rename, state)
+        self._pending: dict[int, PendingWrite] = {}
+        self._lock = threading.Lock()  # _pending: a background round publishes, the loop's thread waits
+        self._writer: ThreadPoolExecutor | None = None
+        self._reserved = 0  # the highest version number handed to the writer
 
     def write(self, module: nn.Module, policy_version: int, live: nn.Module | None = None) -> int:
-        """``module`` as the next version, tagged with the policy version it was trained against;
-        it (or ``live``, the same weights on the trainer's device) becomes the live draft.
-        Returns the version."""
+        """``module`` as the next version, written before this returns, tagged with the policy
+        version it was trained against; it (or ``live``, the same weights on the trainer's device)
+        becomes the live draft. Returns the version."""
+        self.wait()
+        version, _ = self.store.publish(self._exporter(module, policy_version), policy_version=int(policy_version))
+        self.live = self._on_trainer_device(module) if live is None else live.eval()
+        return version
+
+    def _exporter(self, module: nn.Module, policy_version: int):
         def write(tmp: Path, version: int) -> None:
             self.method.export(module, tmp, self.policy_dir, fmt=self.format, num_speculative_tokens=self.k,
                                meta={"policy_version": int(policy_version), "version": version})
-
-        version, _ = self.store.publish(write, policy_version=int(policy_version))
-        self.live = self._on_trainer_device(module) if live is None else live.eval()
-        return version
+        return write
 
     def write_trainer(self, policy_version: int) -> int:
         """The trainer's current draft as the next version (:meth:`write`); on a GPU the live
@@ -68,17 +115,87 @@ class Publisher:
         return module.eval().to(self.trainer.device)
 
     def publish(self, policy_version: int) -> int:
-        """The trainer's current draft as the next version, with the trainer state beside it."""
-        version = self.write_trainer(policy_version)
-        self._save_resume(version)
+        """The trainer's current draft as the next version, with the trainer state beside it.
+        Returns the version; in the background (``background``) it is in the store once
+        :meth:`wait` says so. At most one write is in flight: a publish first waits for the one
+        before it (a round per RL step leaves it a whole step)."""
+        self.wait()
+        t0 = time.perf_counter()
+        draft = self.trainer.export_draft()  # host memory: the writer's own copy
+        # the writer exports its copy while the live draft is scored and its shared modules refreshed
+        on_host = self.trainer.device.type == "cpu"
+        live = self._on_trainer_device(draft) if on_host and not self.background else self.trainer.live_copy()
+        state = host_copy(self.trainer.resume_state())
+        if self.dtype != "float32":  # the published copy is rounded: keep what training holds
+            state["weights"] = draft.state_dict()  # the export reads them, nothing writes them
+        version = max(self.store.next_version(), self._reserved + 1)
+        self._reserved = version
+        job = PendingWrite(version, int(policy_version))
+        self.live = live
+        self.copy_s = time.perf_counter() - t0
+        if not self.background:
+            self._write(job, draft, state)
+            return version
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draftadapt-publish")
+        with self._lock:
+            self._pending[version] = job
+            job.done = self._writer.submit(self._write, job, draft, state)
         return version
 
-    def _save_resume(self, version: int) -> None:
-        state = {"draft_version": version, **self.trainer.resume_state()}
-        if self.dtype != "float32":  # the published copy is rounded: keep what training holds
-            state["weights"] = self.trainer.draft.state_dict()  # torch.save writes them out as they are now
-        with atomic_path(self.resume_path) as tmp:
-            torch.save(state, tmp)
+    def _write(self, job: PendingWrite, draft: nn.Module, state: dict[str, Any]) -> None:
+        """The writer's part: the version (exported, hashed, renamed into place: visible whole or
+        not at all: data/store.py, "Crash safety"), then the trainer state beside it."""
+        t0 = time.perf_counter()
+        try:
+            self.store.publish(self._exporter(draft, job.policy_version), policy_version=job.policy_version,
+                               version=job.version)
+        except BaseException as exc:
+            job.written.set_exception(exc)
+            log.error("adapter: writing draft version %d failed: %s", job.version, exc)
+            raise
+        job.written.set_result(job.version)
+        try:
+            with atomic_path(self.resume_path) as tmp:
+                torch.save({"draft_version": job.version, **state}, tmp)
+        except BaseException as exc:
+            log.error("adapter: saving the trainer state of version %d failed: %s", job.version, exc)
+            raise
+        self.write_s = time.perf_counter() - t0
+
+    def wait(self, max_policy_version: int | None = None) -> None:
+        """Until the versions published so far are in the store, with their trainer state (None),
+        or until the newest of them an engine at ``max_policy_version`` may serve is (a swap waits
+        only for the version it swaps). A background write that failed raises here, once."""
+        with self._lock:
+            pending = sorted(self._pending.values(), key=lambda w: w.version)
+        if max_policy_version is None:
+            for job in pending:
+                job.done.exception()  # waits; what it raised is raised below
+        else:
+            eligible = [job for job in pending if job.policy_version <= max_policy_version]
+            if eligible and eligible[-1].written.exception() is not None:
+                eligible[-1].done.exception()  # failed: collected below, raised now
+        with self._lock:
+            finished = sorted((j for j in self._pending.values() if j.done.done()), key=lambda w: w.version)
+            failed = next((j for j in finished if j.done.exception() is not None), None)
+            for job in finished:  # up to the first that failed: a later failure raises at the next wait
+                if failed is not None and job.version > failed.version:
+                    break
+                del self._pending[job.version]
+        if failed is not None:
+            exc = failed.done.exception()
+            raise RuntimeError(f"writing draft version {failed.version} (policy {failed.policy_version}) to "
+                               f"{self.store.out_dir} failed: {exc}") from exc
+
+    def close(self) -> None:
+        """Wait for the writes in flight (raising a failed one's error) and stop the writer."""
+        try:
+            self.wait()
+        finally:
+            if self._writer is not None:
+                self._writer.shutdown(wait=True)
+                self._writer = None
 
     def resume(self, latest: DraftVersion, load) -> str:
         """After a restart over an existing output dir: the trainer trains on from its newest

@@ -15,14 +15,20 @@ rollout gives), the default three-step training-time test at each ``--slots`` sh
   parameters (6 per parameter per token per TTT position; attention's T^2 term left out) per second;
 - peak_gib: peak device memory of the step (CUDA only);
 - score_ms: the simulated acceptance of one held-out batch (what the gate runs each round);
-- publish_ms: the trained head to host memory (and a copy on the device, the live draft the gate
-  scores), written as bf16 safetensors, sha256 of the file.
+- publish_ms: what a publish costs the round (Publisher.publish): the trained head and the
+  optimizer state copied to host memory, and a copy on the device (the live draft the gate scores);
+- write_ms: what the publisher's writer thread does beside the next round: the head written as
+  bf16 safetensors, sha256 of the file, the trainer state saved.
 
-``--handover`` also times ``HandOver.add`` (what the RL trainer's step pays per micro-batch), for
-both stores (AdapterConfig.handover_store); ``--no-train`` skips the training rows.
+``--handover`` also times ``HandOver.add`` for both stores (AdapterConfig.handover_store), one
+micro-batch of ``--seqs`` rollouts: ``handover_ms_per_seq`` is what the RL trainer's step waits for
+(add() returned and its own kernels on the trainer's stream done), ``copied_ms_per_seq`` the time
+until the rows have landed in host memory (on a GPU the copies run on a side stream), each with its
+GB/s per rollout, and ``cold_ms_per_seq`` the first add's (pinned buffers allocated). ``--no-train``
+skips the training rows.
 
 round_s is the adapter's round at its defaults (ScheduleConfig.train_steps optimizer steps, two
-held-out batches, one publish). ``--json`` prints {"device": ..., "rows": [...]}.
+held-out batches, one publish's copies). ``--json`` prints {"device": ..., "rows": [...]}.
 """
 
 from __future__ import annotations
@@ -82,6 +88,12 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+def _sync_stream() -> None:
+    """The current stream's work done (the RL trainer's), not a side stream's."""
+    if torch.cuda.is_available():
+        torch.cuda.current_stream().synchronize()
+
+
 def trainable_params(head) -> int:
     return sum(p.numel() for p in head.parameters() if p.requires_grad)
 
@@ -91,6 +103,7 @@ def bench_one(size: str, precision: str, slots: float, batch, steps: int) -> dic
 
     from draftadapt.drafts.formats import eagle3_state_dict
     from draftadapt.fileio import file_sha256
+    from draftadapt.publish import host_copy
     from draftadapt.train.trainer import DraftTrainer, TrainConfig
 
     head = build_head(size)
@@ -123,14 +136,19 @@ def bench_one(size: str, precision: str, slots: float, batch, steps: int) -> dic
     _sync()
     score_s = time.perf_counter() - t0
     with tempfile.TemporaryDirectory() as d:
+        _sync()
         t0 = time.perf_counter()
         draft = trainer.export_draft()
-        if cuda:
-            trainer.live_copy()  # the publisher's live draft, copied on the device
+        trainer.live_copy()  # the publisher's live draft, copied on the device
+        state = host_copy(trainer.resume_state())
+        _sync()
+        publish_s = time.perf_counter() - t0
+        t0 = time.perf_counter()  # the writer thread's part (Publisher._write)
         path = Path(d) / "model.safetensors"
         save_file(eagle3_state_dict(draft, "speculators", "bfloat16"), str(path))
         file_sha256(path)
-        publish_s = time.perf_counter() - t0
+        torch.save({**state, "weights": draft.state_dict()}, Path(d) / "resume.pt")
+        write_s = time.perf_counter() - t0
     from draftadapt.adapter import ScheduleConfig
 
     round_s = ScheduleConfig().train_steps * step_s + 2 * score_s + publish_s
@@ -138,7 +156,7 @@ def bench_one(size: str, precision: str, slots: float, batch, steps: int) -> dic
            "trainable_params": n_params, "tokens_per_step": tokens, "step_ms": round(step_s * 1e3, 1),
            "tokens_s": round(tokens / step_s), "tflops": round(tflops, 1),
            "peak_gib": None if peak is None else round(peak, 1), "score_ms": round(score_s * 1e3, 1),
-           "publish_ms": round(publish_s * 1e3, 1), "round_s": round(round_s, 2), "loss": round(m["train/loss"], 3)}
+           "publish_ms": round(publish_s * 1e3, 1), "write_ms": round(write_s * 1e3, 1), "round_s": round(round_s, 2), "loss": round(m["train/loss"], 3)}
     del trainer, head
     if cuda:
         torch.cuda.empty_cache()
@@ -163,24 +181,29 @@ def bench_handover(size: str, seqs: int, seq_len: int, device: str, store: str =
     g = torch.Generator(device).manual_seed(0)
     ids = torch.randint(0, s["vocab"], (seqs, seq_len), generator=g, device=device)
     mask = torch.ones_like(ids)
-    times = []
+    added, copied = [], []  # seconds until add() returned (its kernels done), until the rows landed
     with HandOver(model, [1, 2, 3], torch.arange(s["draft_vocab"]), 1.0, store=store) as ho, torch.no_grad():
-        for i in range(3):
+        for i in range(4):  # the first allocates the pinned buffers (cold); later ones reuse them
             logits = model(input_ids=ids, attention_mask=mask).logits
             _sync()
             t0 = time.perf_counter()
             ho.add(list(range(seqs)), logits, mask)
-            _sync()
-            times.append(time.perf_counter() - t0)
+            _sync_stream()
+            added.append(time.perf_counter() - t0)
+            ho.wait_copies()
+            copied.append(time.perf_counter() - t0)
             del logits
     row = ho.rows[0]
     host_mb = sum(t.numel() * t.element_size() for t in row.values()) / 2**20
-    add_s = statistics.median(times[1:])
+    add_s, copied_s = statistics.median(added[1:]), statistics.median(copied[1:])
     del model, ho
     if device == "cuda":
         torch.cuda.empty_cache()
-    return {"size": size, "store": store, "seq_len": seq_len, "handover_ms_per_seq": round(add_s / seqs * 1e3, 1),
-            "host_mb_per_seq": round(host_mb, 3), "host_gb_s": round(host_mb * seqs / 1024 / add_s, 2)}
+    per_seq = lambda sec: round(sec / seqs * 1e3, 1)  # noqa: E731
+    gb_s = lambda sec: round(host_mb / 1024 / (sec / seqs), 2)  # noqa: E731 - per rollout
+    return {"size": size, "store": store, "seq_len": seq_len, "handover_ms_per_seq": per_seq(add_s),
+            "copied_ms_per_seq": per_seq(copied_s), "cold_ms_per_seq": per_seq(copied[0]),
+            "host_mb_per_seq": round(host_mb, 3), "host_gb_s": gb_s(add_s), "copied_gb_s": gb_s(copied_s)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -237,13 +260,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"device: {device}; {args.seqs} x {args.seq_len} tokens per step")
     cols = ["size", "precision", "ttt_slots", "trainable_params", "step_ms", "tokens_s", "tflops", "peak_gib",
-            "score_ms", "publish_ms", "round_s"]
+            "score_ms", "publish_ms", "write_ms", "round_s"]
     print(" | ".join(cols))
     for r in rows:
         print(" | ".join(str(r.get(c, r.get("error") if c == "step_ms" else "-")) for c in cols))
     for h in handover:
-        print(f"hand-over {h['size']} store={h['store']}: {h['handover_ms_per_seq']} ms per {h['seq_len']}-token sequence, "
-              f"{h['host_mb_per_seq']} MB to host memory each ({h['host_gb_s']} GB/s)")
+        print(f"hand-over {h['size']} store={h['store']}: {h['host_mb_per_seq']} MB to host memory per "
+              f"{h['seq_len']}-token sequence; the step waits {h['handover_ms_per_seq']} ms ({h['host_gb_s']} GB/s), "
+              f"landed after {h['copied_ms_per_seq']} ms ({h['copied_gb_s']} GB/s); first add "
+              f"{h['cold_ms_per_seq']} ms")
     return 0
 
 

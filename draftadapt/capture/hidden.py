@@ -188,6 +188,52 @@ def restricted_logp(logits: torch.Tensor, temperature: float, draft_to_target: t
     return logp
 
 
+class HostCopies:
+    """Copies of device tensors in host memory, made without holding up the caller on a GPU.
+
+    On CUDA each copy goes into a pinned host buffer, non-blocking, on a side stream that first
+    waits for the work that produced its source (the RL trainer's stream goes on with its
+    backward while the copies cross the host link); the source is kept alive for that stream
+    (``record_stream``), so the trainer may free it at once. :meth:`mark` closes a batch of
+    copies with an event; :meth:`wait` returns once every batch marked has landed. A dtype change
+    runs on the side stream too. On the CPU a copy is a plain one, done when it returns.
+    """
+
+    def __init__(self):
+        self._stream = None  # created on the first CUDA copy, on that tensor's device
+        self._events: list = []
+
+    def copy(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        dtype = t.dtype if dtype is None else dtype
+        if t.device.type != "cuda":
+            return t.to("cpu", dtype, copy=True)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(t.device)
+        self._stream.wait_stream(torch.cuda.current_stream(t.device))
+        out = torch.empty(t.shape, dtype=dtype, pin_memory=True)
+        with torch.cuda.stream(self._stream):
+            out.copy_(t, non_blocking=True)
+        t.record_stream(self._stream)
+        return out
+
+    def mark(self) -> None:
+        """The copies made so far form a batch: :meth:`wait` waits for it."""
+        if self._stream is not None:
+            event = torch.cuda.Event()
+            event.record(self._stream)
+            self._events.append(event)
+
+    @property
+    def pending(self) -> int:
+        """Batches marked and not waited for."""
+        return len(self._events)
+
+    def wait(self) -> None:
+        for event in self._events:
+            event.synchronize()
+        self._events.clear()
+
+
 class HandedOver:
     """The rows a :class:`HandOver` took, without its hooks: what an adapter in another process
     (a Ray actor) is given. Picklable; ``observe(handover=...)`` takes it as it takes a HandOver."""
@@ -202,8 +248,13 @@ class HandedOver:
         # the rollouts it keeps, when chosen up front (None: all): observe takes only these
         self.subset = None if subset is None else sorted({int(i) for i in subset})
 
+    def wait_copies(self) -> None:
+        """Until the rows' copies to host memory have landed (at once off a GPU); :meth:`tensors`
+        and :meth:`detach` wait for them."""
+
     def detach(self) -> "HandedOver":
         """The rows alone (no hooks), to send to an adapter elsewhere."""
+        self.wait_copies()
         return HandedOver(self.rows, self.seconds, self.lm_head, self.subset)
 
     def chosen(self, n: int) -> list[int]:
@@ -224,6 +275,7 @@ class HandedOver:
     def tensors(self, n: int) -> list[dict[str, torch.Tensor]]:
         """Per rollout of :meth:`chosen` (0..n-1 without a subset), in order; every one must have
         been added."""
+        self.wait_copies()
         chosen = self.chosen(n)
         missing = [i for i in chosen if i not in self.rows]
         if missing:
@@ -251,6 +303,8 @@ class HandOver(HandedOver):
     "logp") the log-probs [T, Vd] at the engine's sampling temperature over the draft's
     vocabulary: the distribution the policy *sampled these rollouts from*, which is the one the
     draft should match while the engine serves that version (docs/design.md, "Hand-over").
+    On a GPU add() returns before its rows are in host memory (:class:`HostCopies`: pinned
+    buffers, a side stream); :meth:`tensors` and :meth:`detach` wait for them.
     """
 
     def __init__(self, model: nn.Module, aux_layer_ids: list[int] | None, draft_to_target: torch.Tensor | None,
@@ -268,6 +322,7 @@ class HandOver(HandedOver):
         self._model = model
         self._head_hook = None
         self._head_input: torch.Tensor | None = None
+        self._copies = HostCopies()
 
     def __enter__(self) -> "HandOver":
         self._hooks.__enter__()
@@ -283,6 +338,9 @@ class HandOver(HandedOver):
             self._head_hook.remove()
             self._head_hook = None
         self._head_input = None
+
+    def wait_copies(self) -> None:
+        self._copies.wait()
 
     def _head_rows(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The output head at the draft vocabulary's rows, in host memory (once per hand-over:
@@ -349,21 +407,27 @@ class HandOver(HandedOver):
                 continue  # not chosen: nothing copied (docs/design.md, "On a GPU")
             lo, hi = starts[r], starts[r] + lengths[r]
             # kept in host memory: on a GPU the replay buffer must not hold device memory that the
-            # engine's KV cache and the RL trainer need (docs/design.md, "On a GPU")
+            # engine's KV cache and the RL trainer need; copied beside the trainer's step, not in
+            # it (HostCopies; docs/design.md, "On a GPU")
+            copy = self._copies.copy
             if head_input is not None:
                 if self.lm_head is None:
                     self.lm_head = self._head_rows()
                     self._check_head(head_input, logits, r, lo, hi)
                 lse = torch.logsumexp(logits[r, lo:hi].detach().float() / self.temperature, -1, keepdim=True)
-                row = {"lm_input": head_input[r, lo:hi].to("cpu", copy=True), "lse": lse.to("cpu")}
+                row = {"lm_input": copy(head_input[r, lo:hi]), "lse": copy(lse)}
             else:
                 # one row at a time: a float32 log-softmax of the whole micro-batch over a 128k
-                # vocabulary would add B x T x 0.5 MB to the RL trainer's peak memory
+                # vocabulary would add B x T x 0.5 MB to the RL trainer's peak memory (on a GPU the
+                # draft-vocabulary rows live until their copies land: B x T x Vd x 4 bytes at most)
                 logp = restricted_logp(logits[r, lo:hi].detach(), self.temperature, self.draft_to_target)
-                row = {"target_logp": logp.to("cpu", copy=True)}
+                row = {"target_logp": copy(logp)}
             if aux is not None:
-                row["aux_hidden"] = aux[r, lo:hi].to("cpu", self.aux_dtype, copy=True)
+                # stored as aux_dtype (bf16): the policy's own on a bf16 policy, no cast at all;
+                # a float32 policy's cast runs on the copy stream
+                row["aux_hidden"] = copy(aux[r, lo:hi], self.aux_dtype)
             self.rows[int(i)] = row
+        self._copies.mark()
         self._hooks.grabbed.clear()
         self.seconds += time.perf_counter() - t0
 

@@ -102,6 +102,7 @@ class DraftStore:
         source: Callable[[Path, int], Any] | str | Path,
         policy_version: int,
         extra_meta: dict[str, Any] | None = None,
+        version: int | None = None,
     ) -> tuple[int, Path]:
         """Write a new version; return ``(version, path)``.
 
@@ -110,6 +111,11 @@ class DraftStore:
         produce ``model.safetensors``; the manifest ``draftadapt.json`` is written (or completed,
         if the exporter wrote one) last, with ``sha256``, ``version``, ``policy_version``,
         ``published_unix`` and ``extra_meta``.
+
+        ``version``: the number to publish under, reserved beforehand (:meth:`next_version`; a
+        background writer's caller needs it before the write): refused when a version at or
+        above it is there already (another publisher wrote to this store meanwhile). None: the
+        next one.
         """
         if self.readonly:
             raise RuntimeError(f"{self.out_dir}: this DraftStore was opened readonly; open it without readonly to publish")
@@ -124,7 +130,13 @@ class DraftStore:
         fd = self._lock(blocking=True)
         try:
             self._recover()
-            version = self._next_version()
+            next_version = self.next_version()
+            if version is None:
+                version = next_version
+            elif version < next_version:
+                raise ValueError(f"{self.out_dir}: version {version} was reserved but the store is at "
+                                 f"{next_version - 1} already; another publisher wrote to it meanwhile "
+                                 "(give each adapter its own output directory)")
             tmp = self.out_dir / f".tmp-{version_dir_name(version)}-{os.getpid()}-{secrets.token_hex(3)}"
             try:
                 if callable(source):
@@ -278,7 +290,8 @@ class DraftStore:
                     found.append(int(m.group(1)))
         return sorted(found)
 
-    def _next_version(self) -> int:
+    def next_version(self) -> int:
+        """The version the next publish gets: above every version dir present and above LATEST."""
         top = max(self._dir_versions(), default=0)
         return max(top, self._read_latest()) + 1
 

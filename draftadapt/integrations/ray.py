@@ -517,7 +517,17 @@ class RemoteAdapter:
             str(policy_dir), str(draft_dir), str(out_dir), self.cfg, threads)
         self._handover_settings = ray.get(self.actor.handover_settings.remote())
         # the drafts it publishes, read where this process sees its out_dir (same node or shared FS)
-        self.store = DraftStore(out_dir, readonly=True)
+        self._store = DraftStore(out_dir, readonly=True)
+
+    @property
+    def store(self):
+        """The adapter's draft store, read here, with every version it published written (as
+        DraftAdapter.store: its background writes are waited for)."""
+        self.wait_published()
+        return self._store
+
+    def wait_published(self, max_policy_version: int | None = None) -> None:
+        self._call("wait_published", max_policy_version)
 
     def _call(self, name: str, *args, **kwargs):
         return _ray().get(self.actor.call.remote(name, *args, **kwargs))

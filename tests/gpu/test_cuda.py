@@ -117,3 +117,48 @@ def handover_round(toy_target: Path, tmp_path: Path, device: str, store: str = "
     exported = adapter.trainer.export_draft().state_dict()
     assert published["fc.weight"].dtype == torch.float32
     torch.testing.assert_close(published["fc.weight"], exported["fc.weight"].float(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("store", ["logp", "hidden"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_handover_copies_on_a_side_stream_give_the_cpu_paths_rows(toy_target, store, dtype):
+    """add() on CUDA copies into pinned host memory on a side stream and returns; the rows read
+    after their copies landed are what the CPU path computes from the same forward's tensors (the
+    log-probs to float32 kernel order, 1e-5; the aux states and the head's input bit for bit, the
+    aux cast to bf16 as the CPU path casts them), even though the trainer frees its logits right
+    after add() and the allocator hands the memory straight to a new tensor. The GB/s of the copies
+    is measured by scripts/bench_adapter.py --handover, not here."""
+    from transformers import AutoModelForCausalLM
+
+    from draftadapt.capture.hidden import HandOver, restricted_logp
+    from draftadapt.data.sequences import Sequence, collate
+
+    policy = AutoModelForCausalLM.from_pretrained(str(toy_target), dtype=dtype).to("cuda").eval()
+    seqs = [Sequence([1, 2 + i % 3], [4 + (5 * i + j) % 50 for j in range(20 + 7 * i)]) for i in range(6)]
+    keep = torch.tensor([0, 3, 5, 7, 9, 11, 40, 63])
+    batch = {k: v.to("cuda") for k, v in collate(seqs, 0).items()}
+    with HandOver(policy, [1, 3], keep, temperature=0.7, store=store) as ho, torch.no_grad():
+        logits = policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        ref_logits = logits.float().cpu()
+        ref_aux = torch.cat([ho._hooks.grabbed[k] for k in (1, 3)], -1).cpu()
+        ref_head = ho._head_input.cpu() if store == "hidden" else None
+        ho.add(list(range(len(seqs))), logits, batch["attention_mask"])
+        shape = logits.shape
+        del logits
+        scribble = torch.full(shape, 7.0, device="cuda", dtype=dtype)  # reuses the freed logits' memory
+    rows = ho.tensors(len(seqs))
+    assert ho._copies.pending == 0 and float(scribble[0, 0, 0]) == 7.0
+    mask = batch["attention_mask"].cpu()
+    for r, row in enumerate(rows):
+        n = int(mask[r].sum())
+        assert all(t.device.type == "cpu" and t.is_pinned() for t in row.values()), {k: t.device for k, t in row.items()}
+        assert row["aux_hidden"].dtype == torch.bfloat16
+        torch.testing.assert_close(row["aux_hidden"], ref_aux[r, :n].to(torch.bfloat16), atol=0, rtol=0)
+        want = restricted_logp(ref_logits[r, :n], 0.7, keep)
+        if store == "logp":
+            torch.testing.assert_close(row["target_logp"], want, atol=1e-5, rtol=1e-5)
+        else:
+            assert row["lm_input"].dtype == dtype
+            torch.testing.assert_close(row["lm_input"], ref_head[r, :n], atol=0, rtol=0)
+            lse = torch.logsumexp(ref_logits[r, :n] / 0.7, -1, keepdim=True)
+            torch.testing.assert_close(row["lse"], lse, atol=1e-5, rtol=1e-5)

@@ -84,9 +84,14 @@ def spool_item(name: str, version: int):
 class Refusing(Recorder):
     """An adapter that refuses (ValueError) the inputs named in ``refused`` and fails rounds on ``fail``."""
 
-    def __init__(self, calls, refused=(), fail=False):
+    def __init__(self, calls, refused=(), fail=False, write_fails=False):
         super().__init__(calls, "adapter")
-        self.refused, self.fail = set(refused), fail
+        self.refused, self.fail, self.write_fails = set(refused), fail, write_fails
+
+    def wait_published(self):
+        self.calls.append("adapter.wait_published")
+        if self.write_fails:
+            raise RuntimeError("writing draft version 3 failed: No space left on device")
 
     def update_policy(self, weights, version):
         self.calls.append(f"adapter.update_policy v{version}")
@@ -111,13 +116,21 @@ def test_the_sidecars_poll_takes_the_policy_then_the_shards_then_a_round():
     b = StepBoundary(Refusing(calls, refused=("v3", "s2")), None)
     poll = b.after_poll([spool_item("p3", 3), spool_item("p2", 2)], [spool_item("s1", 1), spool_item("s2", 1)],
                         lambda ckpt, exc: refused.append(ckpt.name), lambda shard, exc: refused.append(shard.name))
+    # the round's version written before the shards count as consumed (a background write)
     assert calls == ["adapter.update_policy v3", "adapter.update_policy v2", "adapter.observe s1",
-                     "adapter.observe s2", "adapter.run_round"]
+                     "adapter.observe s2", "adapter.run_round", "adapter.wait_published"]
     assert refused == ["p3", "s2"] and poll.policy.name == "p2" and poll.taken == ["s1"]
     assert poll.metrics == {"adapt/trained": 1.0} and poll.error is None
     calls.clear()
     nothing = b.after_poll([], [spool_item("s2", 1)], None, lambda shard, exc: None)
     assert calls == ["adapter.observe s2"] and nothing.taken == [] and nothing.policy is None  # no round
+
+
+def test_a_spool_round_whose_write_fails_comes_back_as_the_rounds_error():
+    calls: list[str] = []
+    poll = StepBoundary(Refusing(calls, write_fails=True), None).after_poll([], [spool_item("s1", 1)], None, None)
+    assert calls == ["adapter.observe s1", "adapter.run_round", "adapter.wait_published"]
+    assert poll.taken == ["s1"] and "No space left" in str(poll.error)
 
 
 def test_a_failed_spool_round_comes_back_and_a_restart_observes_before_the_policy():

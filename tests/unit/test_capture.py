@@ -188,3 +188,49 @@ def test_a_subset_hand_over_copies_and_gives_only_its_rollouts():
     assert [r["target_logp"].shape[0] for r in rows] == [len(seqs[1]), len(seqs[4])]
     with pytest.raises(ValueError, match=r"subset names rollouts \[4\] of a step of 3"):
         ho.tensors(3)
+
+
+def test_host_copies_on_the_cpu_are_plain_copies_and_nothing_waits():
+    """Off a GPU, HostCopies is what the hand-over always did: a copy in host memory (never the
+    caller's storage, which the trainer may change next), cast to the asked dtype, done at once."""
+    from draftadapt.capture.hidden import HostCopies
+
+    copies = HostCopies()
+    src = torch.randn(5, 8)
+    same, narrow = copies.copy(src[1:4]), copies.copy(src, torch.bfloat16)
+    copies.mark()
+    assert copies.pending == 0
+    src.add_(1.0)  # the trainer's next in-place step
+    torch.testing.assert_close(same, src[1:4] - 1.0, atol=1e-6, rtol=0)
+    assert narrow.dtype == torch.bfloat16 and same.data_ptr() != src[1:4].data_ptr()
+    torch.testing.assert_close(narrow, (src - 1.0).to(torch.bfloat16), atol=0, rtol=0)
+
+
+class Landing:
+    """Stands in for a CUDA event in the logic below: says when it was waited on."""
+
+    def __init__(self, log: list, name: str):
+        self.log, self.name = log, name
+
+    def synchronize(self):
+        self.log.append(self.name)
+
+
+def test_the_rows_are_read_only_after_their_copies_land():
+    """On a GPU add() returns before its copies land (one event per add); tensors() and detach()
+    (what observe and a Ray adapter read) wait for every one first, in order, and once."""
+    model = tiny_target()
+    seqs = [Sequence([1, 2], [4 + j for j in range(2 + i)]) for i in range(4)]
+    log: list[str] = []
+    with HandOver(model, [1], None, temperature=1.0) as ho, torch.no_grad():
+        for n, idx in enumerate(([0, 1], [2, 3])):
+            batch = collate([seqs[i] for i in idx], 0)
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            ho.add(idx, logits, batch["attention_mask"])
+            ho._copies._events.append(Landing(log, f"add {n}"))
+    assert ho._copies.pending == 2 and log == []
+    rows = ho.tensors(4)
+    assert log == ["add 0", "add 1"] and ho._copies.pending == 0 and len(rows) == 4
+    ho._copies._events.append(Landing(log, "again"))
+    sent = ho.detach()
+    assert log[-1] == "again" and ho._copies.pending == 0 and sorted(sent.rows) == [0, 1, 2, 3]
