@@ -203,6 +203,7 @@ def verl_overrides(cfg: VerlToyConfig, paths: dict[str, Path], out: Path, arm: P
         "trainer.logger=[console,file]", "trainer.project_name=draftadapt", "trainer.experiment_name=verl_toy",
         f"trainer.default_local_dir={arm / 'checkpoints'}",
         "ray_kwargs.ray_init.num_cpus=16", f"+ray_kwargs.ray_init.num_gpus={cfg.replicas}",
+        "+ray_kwargs.ray_init.include_dashboard=False",  # a dozen processes, ~1 GB, nobody reads here
         "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
         *attach,
     ]

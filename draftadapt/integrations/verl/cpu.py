@@ -21,14 +21,18 @@ One more, on any platform: verl 0.9.1 reads a request's speculative counters fro
 ``RequestOutput.metrics.request_spec_decode_stats``, where vLLM 0.32 puts them on each completion
 (``CompletionOutput.spec_decode_metrics``); without a bridge verl logs "rollout metrics do not
 include request_spec_decode_stats" and reports no acceptance. :func:`bridge_spec_stats` copies
-them across when vLLM makes a finished output; :mod:`draftadapt.integrations.verl.trainer`
-applies it at import (verl imports that module in each of its processes).
+them across when vLLM makes a finished output, and tallies each finished request in the process
+(:func:`take_spec_counters`: draftadapt's trainer reads every rollout server's tally, so acceptance
+reaches verl's metrics row without verl's ``model.mtp.enable``, which verl's Megatron engine
+refuses for a model without MTP layers); :mod:`draftadapt.integrations.verl.trainer` applies it
+at import (verl imports that module in each of its processes).
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import threading
 from contextlib import contextmanager
 from types import ModuleType
 from typing import Any
@@ -301,6 +305,32 @@ class _SpecStats:
         self.num_verify_steps = sum(hist)
 
 
+# this process's speculative counters over finished requests since the last take_spec_counters():
+# the rollout server's own tally (its vLLM client makes every output here), so acceptance reaches
+# draftadapt's metrics without verl's MTP switch (docs/design.md, "verl on CPU")
+_SPEC = {"requests": 0, "drafts": 0, "accepted": 0, "verify_steps": 0, "length_sum": 0.0}
+_SPEC_LOCK = threading.Lock()
+
+
+def take_spec_counters(_server=None) -> dict:
+    """The counters since the last call, reset (run in a rollout server through ``__ray_call__``)."""
+    with _SPEC_LOCK:
+        out = dict(_SPEC)
+        for k in _SPEC:
+            _SPEC[k] = type(_SPEC[k])()
+    return out
+
+
+def _tally(stats: _SpecStats) -> None:
+    with _SPEC_LOCK:
+        _SPEC["requests"] += 1
+        _SPEC["drafts"] += stats.num_draft_tokens
+        _SPEC["accepted"] += stats.num_accepted_tokens
+        _SPEC["verify_steps"] += stats.num_verify_steps
+        if stats.num_verify_steps:  # verl's per-request figure: 1 + accepted / verify steps
+            _SPEC["length_sum"] += 1.0 + stats.num_accepted_tokens / stats.num_verify_steps
+
+
 def bridge_spec_stats() -> None:
     try:
         from vllm.v1.engine.output_processor import RequestState
@@ -315,6 +345,8 @@ def bridge_spec_stats() -> None:
         outputs, metrics = getattr(out, "outputs", None), getattr(out, "metrics", None)
         if outputs and metrics is not None and getattr(outputs[0], "spec_decode_metrics", None) is not None:
             metrics.request_spec_decode_stats = _SpecStats(outputs[0].spec_decode_metrics)
+            if getattr(out, "finished", False):
+                _tally(metrics.request_spec_decode_stats)
         return out
 
     _new_request_output._draftadapt = True

@@ -7,7 +7,8 @@ tested without either.
   draft shares), put in the log-prob batch's ``extra_info`` under :data:`REQUEST`;
 - :func:`gather`: the rows every actor rank handed over, matched to the rollouts verl trained
   on by their tokens, as one :class:`~draftadapt.capture.hidden.HandedOver`;
-- :func:`served`: each rollout worker's served draft version and the skew between them.
+- :func:`served`: each rollout worker's served draft version and the skew between them;
+- :func:`weight_sync_path`: which receive path a policy sync takes in the rollout worker.
 """
 
 from __future__ import annotations
@@ -97,3 +98,11 @@ def served(workers: Sequence[dict[str, Any]]) -> dict[str, Any]:
     versions = {f"r{w['replica']}w{w['rank']}": w.get("version") for w in workers}
     known = [0 if v is None else int(v) for v in versions.values()]
     return {"versions": versions, "workers": len(versions), "skew": (max(known) - min(known)) if known else 0}
+
+
+def weight_sync_path(cpu: bool, lora: bool, qat: bool) -> str:
+    """Which receive path a policy sync takes in the rollout worker: "layerwise" (draftadapt's:
+    vLLM's plain ``load_weights`` fails on the CPU's repacked weights) or "verl" (verl's own,
+    untouched: on every accelerator, with its CUDA-IPC remapping and MTP-drafter sync, and for
+    LoRA or QAT syncs, which verl prepares itself)."""
+    return "layerwise" if cpu and not lora and not qat else "verl"

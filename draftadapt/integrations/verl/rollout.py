@@ -91,6 +91,13 @@ def server_status(server) -> dict[str, Any]:
             "policy_version": None, "workers": workers}
 
 
+def server_spec_counters(server) -> dict:
+    """This server's tally of finished requests' speculative counters since the last call."""
+    from draftadapt.integrations.verl.cpu import take_spec_counters
+
+    return take_spec_counters()
+
+
 def server_tap_policy(server, path: str) -> list[dict]:
     return _rpc(server, VerlWorkerCall.TAP_POLICY, path)
 
@@ -119,6 +126,7 @@ class VerlServer:
         self.check_integrity = _OnServer(server, server_integrity)
         self.status = _OnServer(server, server_status)
         self.tap_policy = _OnServer(server, server_tap_policy)
+        self.spec_counters = _OnServer(server, server_spec_counters)
 
 
 def _servers(replicas) -> list:
@@ -166,6 +174,20 @@ class VerlEngines:
     def served(self) -> dict[str, Any]:
         """Every worker's served draft version and their skew (:func:`~draftadapt.integrations.verl.handover.served`)."""
         return served([w for st in self.fleet.status() for w in st["workers"]])
+
+    def acceptance(self) -> dict[str, float]:
+        """The speculative counters of every finished request since the last call, over every
+        server: ``accept/length`` (tokens per verify step, draftadapt's figure),
+        ``accept/length_per_request`` (verl's: the mean over requests of 1 + accepted / steps)."""
+        import ray
+
+        tallies = ray.get([a.spec_counters.remote() for a in self.fleet.actors])
+        total = {k: sum(t[k] for t in tallies) for k in tallies[0]} if tallies else {}
+        if not total.get("verify_steps"):
+            return {}
+        return {"accept/length": 1.0 + total["accepted"] / total["verify_steps"],
+                "accept/length_per_request": total["length_sum"] / total["requests"],
+                "accept/requests": float(total["requests"]), "accept/drafts": float(total["drafts"])}
 
     def tap_policy(self, path: Path) -> None:
         """The fallback: replica 0's first worker writes each policy verl's sync brings to ``path``."""

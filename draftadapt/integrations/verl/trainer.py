@@ -233,6 +233,7 @@ class DraftAdaptPPOTrainer(PPOTrainerSync):
         if known:
             m["draftadapt/draft_version"] = float(max(known))
         m["draftadapt/refused"] = float(len(self._da_engines.refused))
+        m.update({f"draftadapt/{k}": v for k, v in self._da_engines.acceptance().items()})
         adapter = self._da_boundary.adapter
         if adapter is not None:
             m["draftadapt/adapter_policy_forwards"] = float(adapter.policy_forwards)

@@ -27,13 +27,7 @@ import torch
 from verl.workers.rollout.vllm_rollout.utils import vLLMColocateWorkerExtension
 
 from draftadapt.engine.worker_ext import DraftAdaptWorkerExtension
-
-
-def weight_sync_path(cpu: bool, lora: bool, qat: bool) -> str:
-    """Which receive path a policy sync takes: "layerwise" (draftadapt's: vLLM's plain load fails
-    on the CPU's repacked weights) or "verl" (verl's own, untouched: every accelerator, and LoRA
-    or QAT syncs, which verl prepares itself)."""
-    return "layerwise" if cpu and not lora and not qat else "verl"
+from draftadapt.integrations.verl.handover import weight_sync_path
 
 
 def _on_cpu() -> bool:
