@@ -84,6 +84,10 @@ class HandOverFSDPEngine(FSDPEngineWithLMHead):
             raise ValueError("draftadapt's hand-over reads the log-prob forward's logits, which verl's fused kernels "
                              "never form: set actor_rollout_ref.model.use_fused_kernels=false, or run without "
                              "+draftadapt.handover")
+        if req.store != "logp":
+            raise ValueError(f"draftadapt's hand-over from verl's FSDP actor keeps log-probs (handover_store='logp'); "
+                             f"handover_store={req.store!r} reads the output head's weight, which FSDP holds in shards: "
+                             "set adapter.handover_store=logp")
         if self.use_ulysses_sp:
             raise ValueError("draftadapt's hand-over reads whole sequences from the log-prob forward; with Ulysses "
                              "sequence parallelism each rank holds a slice: set ulysses_sequence_parallel_size=1, "
