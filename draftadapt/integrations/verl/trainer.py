@@ -113,6 +113,12 @@ class DraftAdaptPPOTrainer(PPOTrainerSync):
                                          background=self._da_adapt and bool(da.get("background", True)))
         self._da_request = None
         if self._da_adapt and da.get("handover", True):
+            from draftadapt.config import ConfigError
+
+            if cfg.handover_store != "logp":
+                raise ConfigError(f"+draftadapt.adapter: handover_store={cfg.handover_store!r}; the hand-over from "
+                                  "verl's FSDP actor keeps log-probs (the output head it would read is sharded): "
+                                  "set handover_store=logp")
             dp = len(self.actor_rollout_wg.workers)  # FSDP: one data-parallel rank per actor worker
             self._da_request = handover_request(adapter, rows_per_rank(da.get("handover_rows"), dp))
         self._da_tap: Path | None = None
