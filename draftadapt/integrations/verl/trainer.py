@@ -228,11 +228,17 @@ class DraftAdaptPPOTrainer(PPOTrainerSync):
         self._da_rollouts, self._da_refs = None, []
         m.update({f"draftadapt/{k}": float(v) for k, v in res.metrics.items()})
         m["draftadapt/adapter_s"] = res.adapter_s
-        m["draftadapt/boundary_s"] = time.perf_counter() - t0
         m["draftadapt/swaps"] = float(len(res.swaps))
+        m.update(self._da_fleet_metrics())
+        m["draftadapt/adapter_policy_forwards"] = float(self._da_boundary.adapter.policy_forwards)
+        m["draftadapt/boundary_s"] = time.perf_counter() - t0  # all of draftadapt's in verl's step, reads included
+        self._da_metrics = m
+
+    def _da_fleet_metrics(self) -> dict[str, float]:
+        """Every rollout worker's served draft version (-1: none of the store's yet), how many
+        answered, their skew, the refusals so far, and the step's acceptance from every server."""
         served = self._da_engines.served()
-        for name, v in served["versions"].items():
-            m[f"draftadapt/served/{name}"] = float(-1 if v is None else v)
+        m = {f"draftadapt/served/{name}": float(-1 if v is None else v) for name, v in served["versions"].items()}
         m["draftadapt/served_workers"] = float(served["workers"])
         m["draftadapt/version_skew"] = float(served["skew"])
         known = [v for v in served["versions"].values() if v is not None]
@@ -240,10 +246,7 @@ class DraftAdaptPPOTrainer(PPOTrainerSync):
             m["draftadapt/draft_version"] = float(max(known))
         m["draftadapt/refused"] = float(len(self._da_engines.refused))
         m.update({f"draftadapt/{k}": v for k, v in self._da_engines.acceptance().items()})
-        adapter = self._da_boundary.adapter
-        if adapter is not None:
-            m["draftadapt/adapter_policy_forwards"] = float(adapter.policy_forwards)
-        self._da_metrics = m
+        return m
 
     def _consume_sync_metrics(self) -> dict:
         out = super()._consume_sync_metrics()
