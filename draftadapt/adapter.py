@@ -429,13 +429,20 @@ class DraftAdapter:
         return self._policy.version
 
     @property
+    def policy_forwards(self) -> int:
+        """Forwards of the adapter's own policy copy so far (targets and scoring not handed over)."""
+        return self.capture.forwards
+
+    @property
     def pad_id(self) -> int:
         return self._policy.pad_id
 
     @_timed
-    def update_policy(self, weights_or_path: str | Path | dict[str, torch.Tensor], version: int) -> None:
+    def update_policy(self, weights_or_path: str | Path | dict[str, torch.Tensor] | None, version: int) -> None:
         """Load the policy's new weights into the adapter's own HF copy (a dir, a file or a state
-        dict); refused with ValueError, the copy unchanged, unless they fit it and are finite."""
+        dict); refused with ValueError, the copy unchanged, unless they fit it and are finite.
+        None: only the version moves on (a trainer that hands over every target and what the draft
+        shares, verl's actor; the copy is then never forwarded)."""
         self._wait_round()
         self._policy.update(weights_or_path, version)
 
@@ -488,6 +495,8 @@ class DraftAdapter:
             self.replay.add(s.prompt_ids, s.response_ids, policy_version, extra,
                             source=None if source is None else f"{source}#{i}")
             added += 1
+        if getattr(handover, "shared", None):
+            self._policy.load_shared(handover.shared)
         self.targets.keep_heads(getattr(handover, "lm_head", None), policy_version, set(self.replay.version_counts()))
         self.trigger.observed()
         return added

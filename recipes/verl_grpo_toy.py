@@ -2,7 +2,7 @@
 rollout and draftadapt attached.
 
     .venv/bin/python recipes/verl_grpo_toy.py --out runs/verl [--steps 8] [--toy DIR] [--draft DIR]
-        [--arms adapted,frozen] [--prompts 64] [KEY=VALUE ...]   (KEY: the adapter's config)
+        [--arms adapted,frozen,plain] [--replicas 1] [--prompts 64] [KEY=VALUE ...]   (KEY: the adapter's config)
 
 Builds (or reuses) the toy target and a pretrained Eagle-3 draft (as the TRL recipe), writes
 verl's data files (parquet: the toy task's prompts in chat form) and reward function (the demo's:
@@ -10,11 +10,18 @@ the correct final answer plus a bonus for the verbose style), and runs
 ``python -m verl.trainer.main_ppo`` with what a CPU needs (draftadapt's ``cpu`` platform for
 verl, docs/design.md "verl on CPU") and the draft served through vLLM's speculative decoding
 (verl's per-request spec-decode counters on, so acceptance lands in verl's own metrics).
-Runs verl twice on the same seed: the draft adapted by draftadapt (``trainer_mode=draftadapt``)
-and the same draft frozen (verl's own sync trainer). verl's console log goes to
-OUT/ARM/verl.log, its metrics per step to OUT/ARM/metrics.jsonl; OUT/summary.json holds both
-arms' acceptance per step (verl's ``rollout/spec_accept_length``), their last thirds and ratio.
-Prints one line per step and, at the end, one JSON line.
+Runs verl once per arm on the same seed and world: ``adapted``, the draft adapted by draftadapt
+(``trainer_mode=draftadapt``: the hand-over from verl's actor, the round beside generation, the
+draft into every rollout worker through Ray's object store); ``frozen``, the same draft never
+trained (verl's own sync trainer); ``plain``, no speculative decoding (verl's own sync trainer).
+verl's console log goes to OUT/ARM/verl.log, its metrics per step to OUT/ARM/metrics.jsonl;
+OUT/summary.json holds each arm's acceptance per step (verl's ``rollout/spec_accept_length``),
+the last thirds and their ratio, the step and the per-stage times verl reports (gen, old
+log-prob, update, weight sync, draftadapt's boundary; means of steps 2..N) and, for the adapted
+arm, the adapter's own policy forwards (counted) and each rollout worker's served version.
+``--replicas 2`` runs two rollout replicas (and two FSDP ranks: verl colocates one replica per
+actor rank at tp=1), each on logical GPUs of this CPU. Prints one line per step and, at the end,
+one JSON line.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from draftadapt.integrations.verl import WORKER_EXTENSION
+from draftadapt.integrations.verl.handover import VENDOR
 from draftadapt.toy import PRETRAIN_RECIPE, task
 from draftadapt.rl.config import pretrain_overrides, toy_adapter
 
@@ -70,10 +78,13 @@ class VerlToyConfig:
     style_bonus: float = 1.0
     pretrain_prompts: int = 768
     kv_cache_gib: int = 1  # vLLM's CPU KV cache (VLLM_CPU_KVCACHE_SPACE)
-    adapt: bool = True  # False: the draft stays frozen (verl's own sync trainer), for comparison
+    # adapted: draftadapt keeps the draft aligned; frozen: the same draft, never trained; plain:
+    # no speculative decoding (both verl's own sync trainer)
+    arm: str = "adapted"
+    replicas: int = 1  # rollout replicas (= FSDP ranks = logical GPUs; tp=1)
     # torch threads of the adapter's round in verl's trainer process (Ray gives that actor one):
-    # this machine's cores, since verl's workers wait while it runs
-    adapter_threads: int = os.cpu_count() or 1
+    # one, since the round runs beside verl's generation on the same cores
+    adapter_threads: int = 1
     adapter_overrides: tuple[str, ...] = ()  # KEY=VALUE on the adapter's config (VERL_ADAPTER)
 
 
@@ -110,7 +121,9 @@ def verl_env(cfg: VerlToyConfig) -> dict[str, str]:
     env = dict(os.environ)
     env.update({
         "VERL_PLATFORM": "cpu",  # draftadapt's platform (entry point group verl.plugins)
-        "VERL_ENGINE_DEVICE": "cuda",  # verl registers its FSDP engine for cuda and npu only
+        # draftadapt's FSDP engine (verl's, with the hand-over; registered for cpu and cuda):
+        # every arm runs it, so the arms differ only in what draftadapt asks of it
+        "VERL_ENGINE_VENDOR": VENDOR,
         "VLLM_TARGET_DEVICE": "cpu",
         "VLLM_CPU_KVCACHE_SPACE": str(cfg.kv_cache_gib),
         "TOKENIZERS_PARALLELISM": "false",
@@ -123,10 +136,21 @@ def verl_env(cfg: VerlToyConfig) -> dict[str, str]:
 
 def verl_overrides(cfg: VerlToyConfig, paths: dict[str, Path], out: Path, arm: Path) -> list[str]:
     batch = cfg.prompts_per_step * cfg.group_size
+    per_rank = batch // cfg.replicas
     from draftadapt.drafts.serving import serving_for
 
     speculative_config = json.dumps(serving_for("eagle3").speculative_config(paths["draft"], cfg.k, 32 + cfg.max_tokens))
-    if cfg.adapt:
+    # verl's spec-decode plumbing: the counters per request, into its metrics; the method is
+    # Eagle-3, the draft is draftadapt's (vLLM speculative_config); nothing is trained by verl
+    # (enable_train stays off)
+    speculate = [
+        "actor_rollout_ref.model.mtp.enable=True", "actor_rollout_ref.model.mtp.enable_rollout=True",
+        "actor_rollout_ref.model.mtp.method=eagle3", f"actor_rollout_ref.model.mtp.num_speculative_tokens={cfg.k}",
+        f"+actor_rollout_ref.rollout.engine_kwargs.vllm.speculative_config='{speculative_config}'",
+        # vLLM's per-request counters (verl reads them from each request's metrics)
+        "+actor_rollout_ref.rollout.engine_kwargs.vllm.per_request_spec_decode_metrics=summary",
+    ] if cfg.arm != "plain" else []
+    if cfg.arm == "adapted":
         from draftadapt.config import save_config
 
         from draftadapt.adapter import AdapterConfig
@@ -151,18 +175,12 @@ def verl_overrides(cfg: VerlToyConfig, paths: dict[str, Path], out: Path, arm: P
         "actor_rollout_ref.model.use_remove_padding=False",
         "actor_rollout_ref.model.enable_gradient_checkpointing=False",
         "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
-        # verl's spec-decode plumbing: the counters per request, into its metrics; the method is
-        # Eagle-3, the draft is draftadapt's (vLLM speculative_config below); nothing is trained
-        # by verl (enable_train stays off)
-        "actor_rollout_ref.model.mtp.enable=True", "actor_rollout_ref.model.mtp.enable_rollout=True",
-        "actor_rollout_ref.model.mtp.method=eagle3", f"actor_rollout_ref.model.mtp.num_speculative_tokens={cfg.k}",
-        f"+actor_rollout_ref.rollout.engine_kwargs.vllm.speculative_config='{speculative_config}'",
-        # vLLM's per-request counters (verl reads them from each request's metrics)
-        "+actor_rollout_ref.rollout.engine_kwargs.vllm.per_request_spec_decode_metrics=summary",
+        *speculate,
+        # every arm: verl's policy sync into vllm-cpu needs the extension's layerwise reload
         f"+actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls={WORKER_EXTENSION}",
         "actor_rollout_ref.actor.strategy=fsdp2", f"actor_rollout_ref.actor.optim.lr={cfg.lr}",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={cfg.prompts_per_step}",
-        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={batch}",
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={per_rank}",
         # no KL term, so no reference worker: verl builds it with FSDP2's CPUOffloadPolicy(pin_memory=True),
         # and pinned memory needs an accelerator ("Cannot access accelerator device")
         "actor_rollout_ref.actor.use_kl_loss=False",
@@ -175,16 +193,17 @@ def verl_overrides(cfg: VerlToyConfig, paths: dict[str, Path], out: Path, arm: P
         "actor_rollout_ref.rollout.disable_log_stats=False",  # vLLM attaches the counters to requests then
         "actor_rollout_ref.rollout.free_cache_engine=False", "+actor_rollout_ref.rollout.enable_sleep_mode=False",
         "actor_rollout_ref.rollout.load_format=auto", f"actor_rollout_ref.rollout.seed={cfg.seed}",
-        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={batch}",
+        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={per_rank}",
         "actor_rollout_ref.rollout.agent.num_workers=1",
         f"reward.custom_reward_function.path={out / 'reward.py'}", "reward.custom_reward_function.name=compute_score",
         "reward.num_workers=1",
-        "trainer.n_gpus_per_node=1", "trainer.nnodes=1", "trainer.device=cpu",
+        f"trainer.n_gpus_per_node={cfg.replicas}", "trainer.nnodes=1", "trainer.device=cpu",
         f"trainer.total_training_steps={cfg.steps}", "trainer.total_epochs=1",
         "trainer.val_before_train=False", "trainer.test_freq=-1", "trainer.save_freq=-1",
         "trainer.logger=[console,file]", "trainer.project_name=draftadapt", "trainer.experiment_name=verl_toy",
         f"trainer.default_local_dir={arm / 'checkpoints'}",
-        "ray_kwargs.ray_init.num_cpus=16", "+ray_kwargs.ray_init.num_gpus=1",
+        "ray_kwargs.ray_init.num_cpus=16", f"+ray_kwargs.ray_init.num_gpus={cfg.replicas}",
+        "+ray_kwargs.ray_init.include_dashboard=False",  # a dozen processes, ~1 GB, nobody reads here
         "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
         *attach,
     ]
@@ -197,9 +216,16 @@ def read_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+# the stages verl times in each step (``timing_s/*``) and draftadapt's boundary, as summary.json names them
+STAGES = {"gen": "timing_s/gen", "old_log_prob": "timing_s/old_log_prob", "update": "timing_s/update_actor",
+          "weight_sync": "timing_s/update_weights", "draftadapt": "draftadapt/boundary_s"}
+
+
 def summarize(arms: dict[str, list[dict]], steps: int) -> dict:
     """Per-step acceptance of each arm (verl's ``rollout/spec_accept_length``: vLLM's counters of
-    the RL batch itself, averaged per request), its last third, and what the step cost."""
+    the RL batch itself, averaged per request), its last third, what the step and each of its
+    stages cost (means of steps 2..N: step 1 carries start-up), and the adapted arm's own policy
+    forwards and served versions."""
     def series(rows, key):
         return [r["data"].get(key, float("nan")) for r in rows]
 
@@ -213,17 +239,30 @@ def summarize(arms: dict[str, list[dict]], steps: int) -> dict:
         acc = series(rows, "rollout/spec_accept_length")
         step_s = series(rows, "timing_s/step")
         adapt_s = series(rows, "draftadapt/boundary_s")
-        out["arms"][name] = {
+        arm = {
             "acceptance_length_per_step": acc, "last_third": mean(acc[-third:]), "whole_run": mean(acc),
             "step_s_per_step": step_s, "mean_step_s": mean(step_s[1:] or step_s),
+            "stage_s": {stage: mean(series(rows, key)[1:] or series(rows, key)) for stage, key in STAGES.items()},
             "adapter_s_per_step": adapt_s if any(x == x for x in adapt_s) else [],
             "reward_per_step": series(rows, "critic/score/mean"),
             "draft_version_per_step": series(rows, "draftadapt/draft_version"),
         }
-    a, f = out["arms"].get("adapted"), out["arms"].get("frozen")
+        last = rows[-1]["data"] if rows else {}
+        if "draftadapt/adapter_policy_forwards" in last:
+            arm["adapter_policy_forwards"] = int(last["draftadapt/adapter_policy_forwards"])
+            arm["served_workers"] = int(last["draftadapt/served_workers"])
+            arm["max_version_skew"] = max(int(r["data"]["draftadapt/version_skew"]) for r in rows)
+            arm["handover_rows_per_step"] = series(rows, "draftadapt/handover_rows")
+        out["arms"][name] = arm
+    a, f, p = (out["arms"].get(n) for n in ("adapted", "frozen", "plain"))
     if a and f:
         out["last_third_adapted_over_frozen"] = a["last_third"] / f["last_third"]
         out["whole_run_adapted_over_frozen"] = a["whole_run"] / f["whole_run"]
+        out["step_adapted_over_frozen"] = a["mean_step_s"] / f["mean_step_s"]
+    if a and p:
+        out["step_adapted_over_plain"] = a["mean_step_s"] / p["mean_step_s"]
+    if f and p:
+        out["step_frozen_over_plain"] = f["mean_step_s"] / p["mean_step_s"]
     if a and a["adapter_s_per_step"]:
         out["adapter_share_of_step"] = mean(a["adapter_s_per_step"][1:]) / a["mean_step_s"]
     return out
@@ -252,7 +291,8 @@ def run_arm(cfg: VerlToyConfig, paths: dict[str, Path], out: Path, name: str) ->
             served = int(d["draftadapt/draft_version"])
         print(f"[verl] {name} step {r['step']:3d} accept {d.get('rollout/spec_accept_length', float('nan')):.3f} "
               f"reward {d.get('critic/score/mean', 0):.3f} step {d.get('timing_s/step', 0):.1f} s "
-              f"(gen {d.get('timing_s/gen', 0):.1f} s, draftadapt {d.get('draftadapt/boundary_s', 0):.2f} s)"
+              f"(gen {d.get('timing_s/gen', 0):.1f} s, old log-prob {d.get('timing_s/old_log_prob', 0):.1f} s, "
+              f"update {d.get('timing_s/update_actor', 0):.1f} s, draftadapt {d.get('draftadapt/boundary_s', 0):.2f} s)"
               + (f" draft v{served}" if served is not None else ""), flush=True)
     print(f"[verl] {name}: {len(rows)} steps in {time.perf_counter() - t0:.0f} s", flush=True)
     return rows
@@ -266,26 +306,34 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--toy")
     ap.add_argument("--draft")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--arms", default="adapted,frozen",
-                    help="adapted: draftadapt keeps the draft aligned; frozen: the same draft, never trained "
-                         "(verl's own sync trainer), for comparison")
+    ap.add_argument("--arms", default="adapted,frozen,plain",
+                    help="adapted: draftadapt keeps the draft aligned; frozen: the same draft, never trained; "
+                         "plain: no speculative decoding (both verl's own sync trainer), for comparison")
+    ap.add_argument("--replicas", type=int, default=VerlToyConfig.replicas,
+                    help="rollout replicas (= FSDP ranks, logical GPUs of this CPU; tp=1)")
     ap.add_argument("adapter", nargs="*", metavar="KEY=VALUE",
                     help="the adapter's settings over the recipe's (e.g. schedule.train_steps=4)")
     args = ap.parse_args(argv)
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
-    bad = [a for a in arms if a not in ("adapted", "frozen")]
+    bad = [a for a in arms if a not in ("adapted", "frozen", "plain")]
     if bad or not arms:
-        ap.error(f"--arms {args.arms!r}: name adapted, frozen or both")
+        ap.error(f"--arms {args.arms!r}: name one or more of adapted, frozen, plain")
+    if args.replicas < 1 or (args.prompts * VerlToyConfig.group_size) % args.replicas:
+        ap.error(f"--replicas {args.replicas}: at least 1, dividing the step's {args.prompts} x "
+                 f"{VerlToyConfig.group_size} rollouts")
     cfg = VerlToyConfig(out=args.out, steps=args.steps, toy=args.toy, draft=args.draft, seed=args.seed,
-                        prompts_per_step=args.prompts, adapter_overrides=tuple(args.adapter))
+                        prompts_per_step=args.prompts, replicas=args.replicas, adapter_overrides=tuple(args.adapter))
     out = Path(cfg.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     paths = prepare(cfg, out)
-    rows = {name: run_arm(replace(cfg, adapt=name == "adapted"), paths, out, name) for name in arms}
+    rows = {name: run_arm(replace(cfg, arm=name), paths, out, name) for name in arms}
     summary = summarize(rows, cfg.steps)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps({k: v for k, v in summary.items() if k != "arms"} |
-                     {f"{n}_last_third": a["last_third"] for n, a in summary["arms"].items()}), flush=True)
+                     {f"{n}_last_third": a["last_third"] for n, a in summary["arms"].items()} |
+                     {f"{n}_mean_step_s": a["mean_step_s"] for n, a in summary["arms"].items()} |
+                     {f"{n}_adapter_policy_forwards": a["adapter_policy_forwards"]
+                      for n, a in summary["arms"].items() if "adapter_policy_forwards" in a}), flush=True)
     return 0
 
 

@@ -240,13 +240,17 @@ class HandedOver:
 
     def __init__(self, rows: dict[int, dict[str, torch.Tensor]] | None = None, seconds: float = 0.0,
                  lm_head: tuple[torch.Tensor, torch.Tensor | None] | None = None,
-                 subset: Sequence[int] | None = None):
+                 subset: Sequence[int] | None = None, shared: dict[str, torch.Tensor] | None = None):
         self.rows: dict[int, dict[str, torch.Tensor]] = dict(rows or {})
         self.seconds = seconds  # spent in add(): what the hand-over adds to the trainer's pass
         # store="hidden": the forward's output head at the draft vocabulary's rows (weight, bias)
         self.lm_head = lm_head
         # the rollouts it keeps, when chosen up front (None: all): observe takes only these
         self.subset = None if subset is None else sorted({int(i) for i in subset})
+        # the forward's own policy tensors a draft shares with it (e.g. the embeddings an Eagle-3
+        # head reads, under their HF state-dict names), for a trainer whose policy the adapter
+        # sees no other way (verl's actor): observe loads them into the adapter's copy
+        self.shared: dict[str, torch.Tensor] = dict(shared or {})
 
     def wait_copies(self) -> None:
         """Until the rows' copies to host memory have landed (at once off a GPU); :meth:`tensors`
@@ -255,7 +259,7 @@ class HandedOver:
     def detach(self) -> "HandedOver":
         """The rows alone (no hooks), to send to an adapter elsewhere."""
         self.wait_copies()
-        return HandedOver(self.rows, self.seconds, self.lm_head, self.subset)
+        return HandedOver(self.rows, self.seconds, self.lm_head, self.subset, self.shared)
 
     def chosen(self, n: int) -> list[int]:
         """The rollout indices (of a step's ``n``) this hand-over is for, in order."""
@@ -383,13 +387,37 @@ class HandOver(HandedOver):
         TRL does). ``rows``: which batch rows ``index`` refers to (default: all, in order; a row
         may be named twice when two rollouts are the same tokens). Detached; the trainer's graph
         is not touched."""
-        t0 = time.perf_counter()
         index = list(index)
         rows = list(range(logits.shape[0])) if rows is None else list(rows)
         if len(rows) != len(index) or attention_mask.shape[:2] != logits.shape[:2]:
             raise ValueError(f"hand-over: {len(index)} rollout indices for rows {rows[:8]} of logits "
                              f"{tuple(logits.shape)} and attention mask {tuple(attention_mask.shape)}; "
                              "pass one index per row")
+        mask = attention_mask.bool()
+        lengths = mask.sum(-1).tolist()
+        starts = mask.int().argmax(-1).tolist()  # first token of each row (0 when right padded)
+        self._take(index, logits, [(r, starts[r], starts[r] + lengths[r]) for r in rows])
+
+    @torch.no_grad()
+    def add_packed(self, index: Sequence[int], logits: torch.Tensor, offsets: Sequence[int],
+                   rows: Sequence[int] | None = None) -> None:
+        """As :meth:`add`, for a forward over sequences laid end to end in one row (padding
+        removed, as verl's and TRL's packed forwards run): logits [1, N, Vt], sequence j at
+        positions ``offsets[j]:offsets[j + 1]`` (cumulative lengths from 0; padding after the
+        last is allowed). ``rows``: which sequences ``index`` refers to (default: all, in order)."""
+        index, offsets = list(index), [int(o) for o in offsets]
+        rows = list(range(len(offsets) - 1)) if rows is None else list(rows)
+        if logits.dim() != 3 or logits.shape[0] != 1 or len(rows) != len(index) or not offsets or \
+                offsets[-1] > logits.shape[1] or any(b < a for a, b in zip(offsets, offsets[1:])) or \
+                any(not 0 <= j < len(offsets) - 1 for j in rows):
+            raise ValueError(f"hand-over: packed logits {tuple(logits.shape)} with offsets {offsets[:8]} for rollouts "
+                             f"{index[:8]} at sequences {rows[:8]}; pass [1, N, V] logits, increasing offsets <= N "
+                             "and one sequence per index")
+        self._take(index, logits, [(0, offsets[j], offsets[j + 1]) for j in rows])
+
+    def _take(self, index: list[int], logits: torch.Tensor, spans: list[tuple[int, int, int]]) -> None:
+        """Rollout ``index[j]``'s tokens are ``logits[row, lo:hi]`` for ``spans[j] = (row, lo, hi)``."""
+        t0 = time.perf_counter()
         aux = self._hooks.aux()
         head_input = None
         if self.store == "hidden":
@@ -398,14 +426,10 @@ class HandOver(HandedOver):
                 raise RuntimeError("hand-over store='hidden': the output head saw no forward of this batch since the "
                                    "last add(); call add() right after each forward of the policy")
             self._head_input = None
-        mask = attention_mask.bool()
-        lengths = mask.sum(-1).tolist()
-        starts = mask.int().argmax(-1).tolist()  # first token of each row (0 when right padded)
         keep = None if self.subset is None else set(self.subset)
-        for i, r in zip(index, rows):
+        for i, (r, lo, hi) in zip(index, spans):
             if keep is not None and int(i) not in keep:
                 continue  # not chosen: nothing copied (docs/design.md, "On a GPU")
-            lo, hi = starts[r], starts[r] + lengths[r]
             # kept in host memory: on a GPU the replay buffer must not hold device memory that the
             # engine's KV cache and the RL trainer need; copied beside the trainer's step, not in
             # it (HostCopies; docs/design.md, "On a GPU")

@@ -27,6 +27,9 @@ class PolicyCopy:
         self.model = model.eval()
         self.dir = Path(policy_dir)
         self.version = version
+        # the version whose weights the copy holds: behind ``version`` when the trainer hands
+        # over every target and sends no weights (verl's actor); a forward then is refused
+        self.weights_version = version
         pc = model.config.get_text_config()
         self.vocab_size = int(pc.vocab_size)
         self.max_positions = int(getattr(pc, "max_position_embeddings", 0) or 0)
@@ -41,10 +44,14 @@ class PolicyCopy:
         # the model's own dtype (a bf16 policy stays bf16; captured states are widened for training)
         return AutoModelForCausalLM.from_pretrained(str(policy_dir), dtype="auto")
 
-    def update(self, weights_or_path: str | Path | dict[str, torch.Tensor], version: int) -> None:
-        """Load the policy's new weights (a dir, a file or a state dict) in place."""
+    def update(self, weights_or_path: str | Path | dict[str, torch.Tensor] | None, version: int) -> None:
+        """Load the policy's new weights (a dir, a file or a state dict) in place; None: the
+        version moves on with no weights (every target is handed over, nothing is forwarded)."""
         if version < self.version:
             raise ValueError(f"policy version {version} is older than the adapter's {self.version}")
+        if weights_or_path is None:
+            self.version = version
+            return
         if isinstance(weights_or_path, dict):
             sd = weights_or_path
         else:
@@ -55,7 +62,20 @@ class PolicyCopy:
             sd = load_safetensors(files)
         self._check_weights(sd)
         self.model.load_state_dict(sd, strict=False)
-        self.version = version
+        self.version = self.weights_version = version
+
+    def load_shared(self, tensors: dict[str, torch.Tensor]) -> None:
+        """The policy tensors a hand-over carried (what the draft shares with the policy, e.g. the
+        embeddings), loaded in place: names, shapes and finiteness checked first."""
+        ref = self.model.state_dict()
+        bad = [f"{k} {tuple(v.shape)}" for k, v in tensors.items() if k not in ref or ref[k].shape != v.shape]
+        if bad:
+            raise ValueError(f"hand-over: shared policy tensors {bad[:4]} do not fit the adapter's copy of {self.dir} "
+                             f"(names and shapes of its HF state dict)")
+        nonfinite = [k for k, v in tensors.items() if not all_finite(v)]
+        if nonfinite:
+            raise ValueError(f"hand-over: shared policy tensors {nonfinite[:4]} hold NaN or Inf; not loaded")
+        self.model.load_state_dict(tensors, strict=False)
 
     def _check_weights(self, sd: dict[str, torch.Tensor]) -> None:
         """Names, shapes, dtypes and finiteness, all before anything is loaded: a refused update
@@ -155,6 +175,12 @@ class Targets:
             return CapturedBatch(batch["input_ids"], batch["attention_mask"], batch["loss_mask"],
                                  _pad_rows([self._logp(it) for it in items], width),
                                  _pad_rows([it.tensors.get("aux_hidden") for it in items], width))
+        if self.policy.weights_version != self.policy.version:
+            raise ValueError(f"the adapter's policy copy holds the weights of version {self.policy.weights_version}, "
+                             f"not {self.policy.version} (the trainer sent none): a batch not all handed over "
+                             f"({sum(not self.handed_over(it) for it in items)} of {len(items)} items) would be "
+                             "captured against a stale policy; hand over every rollout (targets='sampling'), "
+                             "or pass the policy's weights to update_policy")
         captured = self.capture.capture(batch)
         if captured.aux is not None:
             for r, it in enumerate(items):

@@ -235,10 +235,15 @@ class DraftFleet:
         ray = _ray()
         name = f"engine{len(self.actors)}"
         cls = ray.remote(EngineServer).options(**self.actor_options, name=None)
-        actor = cls.remote(self.target, self.draft, self.engine_kwargs, name, self.cache_dir)
+        return self.join(cls.remote(self.target, self.draft, self.engine_kwargs, name, self.cache_dir), name)
+
+    def join(self, actor, name: str | None = None) -> str:
+        """An engine actor started elsewhere (answering EngineServer's protocol) joins the fleet:
+        it serves the fleet's policy and newest draft before this returns."""
+        name = name or f"engine{len(self.actors)}"
         self.actors.append(actor)
         self.names.append(name)
-        ray.get(actor.status.remote())  # started (or its error raised here)
+        _ray().get(actor.status.remote())  # started (or its error raised here)
         self._catch_up(len(self.actors) - 1)
         return name
 

@@ -90,6 +90,11 @@ class Eagle3Method(Eagle3Serving):
         """What the policy's forward must give this draft: its aux layers and its vocabulary's log-probs."""
         return TargetCapture(policy, list(draft.cfg.aux_layer_ids), self.vocab_ids(draft), temperature=temperature)
 
+    def shared_policy_modules(self, draft: Eagle3Head) -> tuple[str, ...]:
+        """The policy modules :meth:`refresh_shared` reads (by HF accessor), which a trainer that
+        sends no weights hands over instead (verl's actor)."""
+        return ("input_embeddings",) if draft.cfg.share_embeddings else ()
+
     def refresh_shared(self, draft: Eagle3Head, policy: nn.Module) -> None:
         """A head that shares the target's embed_tokens sees the policy's current ones (as in vLLM)."""
         if draft.cfg.share_embeddings:
@@ -179,6 +184,9 @@ class DraftLMMethod(DraftLMServing):
     def target_capture(self, policy: nn.Module, draft: nn.Module, temperature: float) -> TargetCapture:
         return TargetCapture(policy, None, None, temperature=temperature)
 
+    def shared_policy_modules(self, draft: nn.Module) -> tuple[str, ...]:
+        return ()
+
     def refresh_shared(self, draft: nn.Module, policy: nn.Module) -> None:
         pass  # its embeddings are its own
 
@@ -239,6 +247,9 @@ class MTPMethod(MTPServing):
 
     def target_capture(self, policy: nn.Module, draft: MTPHead, temperature: float) -> TargetCapture:
         return TargetCapture(policy, list(draft.cfg.aux_layer_ids), None, temperature=temperature)
+
+    def shared_policy_modules(self, draft: MTPHead) -> tuple[str, ...]:
+        return ("input_embeddings", "output_embeddings")
 
     def refresh_shared(self, draft: MTPHead, policy: nn.Module) -> None:
         """vLLM's drafter uses the policy's embed_tokens and lm_head: so does the head, copied

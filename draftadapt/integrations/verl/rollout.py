@@ -1,0 +1,196 @@
+"""verl's rollout servers as a :class:`~draftadapt.integrations.ray.DraftFleet`: every replica,
+every server of a replica, every data-parallel engine of a server, every worker of an engine.
+
+verl's server forwards ``collective_rpc`` to one engine's workers and drops what they return
+(``vLLMHttpServer.collective_rpc``; verl's own comment on ``wake_up``: collective_rpc "only reaches
+TP workers within a single shard"). draftadapt runs its calls in each server actor instead
+(Ray's ``__ray_call__``, as verl itself reaches its workers in ``launch_servers``): there the
+server's vLLM client calls the worker method on every engine it manages
+(``call_utility_all_async``) and the results come back, one dict per worker. Each server is one
+engine of a DraftFleet (:class:`VerlServer`), so a draft travels as the fleet's draft package:
+put once in Ray's object store, written by each server into a directory of its own node, and
+swapped in by each worker through the same checks (target, sha256, version, finite, shapes).
+Nothing goes through a shared filesystem.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from draftadapt.integrations.verl import VerlWorkerCall
+from draftadapt.integrations.verl.handover import served
+
+log = logging.getLogger(__name__)
+
+RPC_TIMEOUT_S = 600.0  # a swap or read-back on every worker of one server
+
+
+# ---------------------------------------------------------------------- in the server actor
+
+
+def _rpc(server, method: str, *args) -> list[dict]:
+    """``method`` on every worker of every engine ``server``'s vLLM client manages; their results.
+    Runs in the server actor (``__ray_call__`` runs it off the actor's event loop, which the
+    client's sockets belong to: the call is handed to that loop)."""
+    engine = getattr(server, "engine", None)
+    if engine is None:
+        return []  # a server with no engine client of its own (a headless node of a replica)
+    handler = getattr(engine, "output_handler", None)
+    if handler is None:
+        raise RuntimeError("verl's rollout server has not started its vLLM engine's output loop; "
+                           "draftadapt calls its workers only after verl launched the server")
+    client = engine.engine_core
+    call_all = getattr(client, "call_utility_all_async", None)
+    if call_all is not None:
+        coro = call_all("collective_rpc", method, None, args, None)
+    else:
+        async def one_engine():
+            return [await client.collective_rpc_async(method, None, args, None)]
+        coro = one_engine()
+    per_engine = asyncio.run_coroutine_threadsafe(coro, handler.get_loop()).result(RPC_TIMEOUT_S)
+    return [w for workers in per_engine for w in workers]
+
+
+def _name(server) -> str:
+    return f"replica{getattr(server, 'replica_rank', 0)}/node{getattr(server, 'node_rank', 0)}"
+
+
+def server_swap(server, package, rollback: bool = False) -> dict[str, Any]:
+    """The draft package (resolved from Ray's object store) written into this node's directory
+    and swapped into every worker; a refusal anywhere is reported (the others' result stands)."""
+    t0 = time.perf_counter()
+    root = Path(tempfile.gettempdir()) / "draftadapt-verl" / f"{_name(server).replace('/', '-')}-{os.getpid()}"
+    try:
+        path = package.write(root)
+    except (OSError, ValueError) as exc:
+        return {"engine": _name(server), "version": None, "refused": f"{root}: {exc}", "ms": 0.0, "workers": []}
+    workers = _rpc(server, VerlWorkerCall.SWAP, str(path), package.version, package.lineage or "", rollback)
+    refused = [f"r{w['replica']}w{w['rank']}: {w['refused']}" for w in workers if w.get("refused")]
+    sums = {w.get("checksum") for w in workers if not w.get("refused")}
+    versions = {w.get("version") for w in workers}
+    return {"engine": _name(server), "version": versions.pop() if len(versions) == 1 else None,
+            "checksum": sums.pop() if len(sums) == 1 else None, "refused": "; ".join(refused) or None,
+            "ms": (time.perf_counter() - t0) * 1e3, "workers": workers}
+
+
+def server_integrity(server) -> bool:
+    """Every worker's live draft read back against what it swapped in (a lost one repaired)."""
+    return all(w["intact"] for w in _rpc(server, VerlWorkerCall.INTEGRITY))
+
+
+def server_status(server) -> dict[str, Any]:
+    workers = _rpc(server, VerlWorkerCall.STATUS)
+    versions = [w["version"] for w in workers if w["version"] is not None]
+    return {"engine": _name(server), "pid": os.getpid(), "draft_version": min(versions) if versions else None,
+            "policy_version": None, "workers": workers}
+
+
+def server_spec_counters(server) -> dict:
+    """This server's tally of finished requests' speculative counters since the last call."""
+    from draftadapt.integrations.verl.cpu import take_spec_counters
+
+    return take_spec_counters()
+
+
+def server_tap_policy(server, path: str) -> list[dict]:
+    return _rpc(server, VerlWorkerCall.TAP_POLICY, path)
+
+
+# ---------------------------------------------------------------------- in the trainer
+
+
+class _OnServer:
+    """``.remote(*args)`` runs ``fn(server, *args)`` in the server actor (an actor method's shape,
+    which is what DraftFleet calls)."""
+
+    def __init__(self, server, fn):
+        self.server, self.fn = server, fn
+
+    def remote(self, *args, **kwargs):
+        return self.server.__ray_call__.remote(self.fn, *args, **kwargs)
+
+
+class VerlServer:
+    """One of verl's rollout servers, answering the engine protocol DraftFleet calls
+    (``swap``, ``check_integrity``, ``status``); the policy is verl's to load."""
+
+    def __init__(self, server):
+        self.handle = server
+        self.swap = _OnServer(server, server_swap)
+        self.check_integrity = _OnServer(server, server_integrity)
+        self.status = _OnServer(server, server_status)
+        self.tap_policy = _OnServer(server, server_tap_policy)
+        self.spec_counters = _OnServer(server, server_spec_counters)
+
+
+def _servers(replicas) -> list:
+    return [s for r in replicas for s in r.servers]
+
+
+class VerlEngines:
+    """verl's rollout replicas as the step boundary's engine set: the policy is verl's to load (its
+    checkpoint manager already did), the draft is draftadapt's, swapped into every worker of every
+    server through a :class:`~draftadapt.integrations.ray.DraftFleet`. The replica list is read
+    again at each boundary: a server verl added since joins and is caught up to the newest draft."""
+
+    engine_set = True
+
+    def __init__(self, checkpoint_manager):
+        from draftadapt.integrations.ray import DraftFleet
+
+        self.checkpoint_manager = checkpoint_manager
+        self.fleet = DraftFleet.from_actors([])
+        self._known: set = set()
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Servers verl started since the last boundary join the fleet (caught up on joining)."""
+        for s in _servers(self.checkpoint_manager.replicas):
+            key = s._actor_id.hex()
+            if key not in self._known:
+                self._known.add(key)
+                self.fleet.join(VerlServer(s), f"server{len(self._known) - 1}")
+
+    def update_policy(self, weights: Any, version: int) -> None:
+        self.fleet.policy_version = version  # loaded by verl's own weight sync before the boundary
+        self.refresh()
+
+    def check_integrity(self, adapter) -> bool:
+        return self.fleet.check_integrity(adapter)
+
+    def swap(self, adapter) -> list:
+        return self.fleet.swap(adapter)
+
+    @property
+    def refused(self) -> list[str]:
+        return [r for s in self.fleet.swaps for r in s.refused.values()]
+
+    def served(self) -> dict[str, Any]:
+        """Every worker's served draft version and their skew (:func:`~draftadapt.integrations.verl.handover.served`)."""
+        return served([w for st in self.fleet.status() for w in st["workers"]])
+
+    def acceptance(self) -> dict[str, float]:
+        """The speculative counters of every finished request since the last call, over every
+        server: ``accept/length`` (tokens per verify step, draftadapt's figure),
+        ``accept/length_per_request`` (verl's: the mean over requests of 1 + accepted / steps)."""
+        import ray
+
+        tallies = ray.get([a.spec_counters.remote() for a in self.fleet.actors])
+        total = {k: sum(t[k] for t in tallies) for k in tallies[0]} if tallies else {}
+        if not total.get("verify_steps"):
+            return {}
+        return {"accept/length": 1.0 + total["accepted"] / total["verify_steps"],
+                "accept/length_per_request": total["length_sum"] / total["requests"],
+                "accept/requests": float(total["requests"]), "accept/drafts": float(total["drafts"])}
+
+    def tap_policy(self, path: Path) -> None:
+        """The fallback: replica 0's first worker writes each policy verl's sync brings to ``path``."""
+        import ray
+
+        ray.get([a.tap_policy.remote(str(path)) for a in self.fleet.actors])

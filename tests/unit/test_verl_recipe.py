@@ -1,0 +1,63 @@
+"""recipes/verl_grpo_toy.py's summary of verl's metric rows (pure; the runs are
+tests/integration/test_verl.py) and the arms' settings."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def recipe():
+    spec = importlib.util.spec_from_file_location("verl_grpo_toy", REPO / "recipes" / "verl_grpo_toy.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    yield mod
+    del sys.modules[spec.name]
+
+
+def _rows(step_s, gen_s, accept=None, extra=None):
+    out = []
+    for i, (s, g) in enumerate(zip(step_s, gen_s)):
+        d = {"timing_s/step": s, "timing_s/gen": g, "timing_s/old_log_prob": 1.0, "timing_s/update_actor": 2.0}
+        if accept is not None:
+            d["rollout/spec_accept_length"] = accept[i]
+        d.update((extra or {}).get(i, {}))
+        out.append({"step": i + 1, "data": d})
+    return out
+
+
+def test_the_summary_compares_the_three_arms_over_steps_two_on(recipe):
+    da = {i: {"draftadapt/boundary_s": 0.5, "draftadapt/adapter_policy_forwards": 0.0,
+              "draftadapt/served_workers": 2.0, "draftadapt/version_skew": float(i == 1),
+              "draftadapt/handover_rows": 32.0} for i in range(3)}
+    arms = {"adapted": _rows([99, 10, 12], [90, 4, 6], [2.0, 3.0, 3.3], da),
+            "frozen": _rows([99, 11, 13], [90, 5, 7], [2.0, 2.5, 2.2]),
+            "plain": _rows([99, 14, 16], [90, 8, 10])}
+    s = recipe.summarize(arms, steps=3)
+    a, f, p = (s["arms"][n] for n in ("adapted", "frozen", "plain"))
+    assert (a["mean_step_s"], f["mean_step_s"], p["mean_step_s"]) == (11.0, 12.0, 15.0)  # step 1 left out
+    assert a["stage_s"]["gen"] == 5.0 and a["stage_s"]["draftadapt"] == 0.5 and a["stage_s"]["update"] == 2.0
+    assert p["stage_s"]["draftadapt"] != p["stage_s"]["draftadapt"]  # nan: no boundary without draftadapt
+    assert s["step_adapted_over_frozen"] == 11.0 / 12.0 and s["step_adapted_over_plain"] == 11.0 / 15.0
+    assert s["last_third_adapted_over_frozen"] == 3.3 / 2.2
+    assert a["adapter_policy_forwards"] == 0 and a["served_workers"] == 2 and a["max_version_skew"] == 1
+    assert "adapter_policy_forwards" not in f
+
+
+def test_only_the_speculating_arms_serve_a_draft(recipe, tmp_path):
+    paths = {"draft": tmp_path / "draft", "policy": tmp_path / "policy"}
+    for arm, speculates, mode in [("adapted", True, "draftadapt"), ("frozen", True, "sync"), ("plain", False, "sync")]:
+        cfg = recipe.VerlToyConfig(arm=arm, replicas=2)
+        over = recipe.verl_overrides(cfg, paths, tmp_path, tmp_path / arm)
+        assert any("speculative_config" in o for o in over) is speculates
+        assert f"trainer.v1.trainer_mode={mode}" in over
+        assert "trainer.n_gpus_per_node=2" in over and "+ray_kwargs.ray_init.num_gpus=2" in over
+        # one FSDP rank per replica: each rank's micro-batch is its share of the step's 64 x 4
+        assert "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=128" in over
