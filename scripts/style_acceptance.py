@@ -1,0 +1,126 @@
+"""How a frozen draft accepts the target's own replies, grouped by answer style: which style, if an
+RL reward amplified it, would the frozen draft follow worst? A way to choose a world's drifting
+style by measurement before spending an RL run on it (docs/results.md, "A real model").
+
+    python scripts/style_acceptance.py --target runs/smol/model --draft runs/smol/draft1 \
+        --data runs/smol/draft1/pretrain/data --rows 200 --json
+
+``--data``: a pretrain run's data/ directory (heldout.jsonl and train.jsonl, one reply a line as
+``{"prompt_ids", "response_ids"}``: the target's own samples). Held-out replies come first, then
+training ones, up to ``--rows``. Each reply is scored alone (simulated acceptance at ``--k``,
+visited starts, temperature ``--temperature``), then the per-reply counts are summed per group.
+Prints one line per style (share, acceptance with and without it, mean reply tokens) and, with
+``--json``, one JSON line at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import sys
+from pathlib import Path
+
+# the styles a reward could pull a chat model's replies towards, each a test of the decoded reply
+_ANSWER_LINE = re.compile(r"answer(?::| is:?)\s*(-?\d+)\s*\.?\s*$", re.IGNORECASE)
+STYLES = {
+    "answer_line": lambda text, n: bool(_ANSWER_LINE.search(text.strip().rsplit("\n", 1)[-1])),
+    "short": lambda text, n: n < 60,
+    "numbered_steps": lambda text, n: bool(re.search(r"^\s*(\d+\.|step \d)", text, re.IGNORECASE | re.MULTILINE)),
+    "equation": lambda text, n: "=" in text,
+    "markdown_bold": lambda text, n: "**" in text,
+    "paragraphs": lambda text, n: "\n\n" in text,
+}
+
+
+def load_replies(data: Path, rows: int, seed: int) -> list[dict]:
+    """Up to ``rows`` replies: every held-out one, then training ones in a seeded order."""
+    def read(name):
+        path = data / name
+        if not path.is_file():
+            raise SystemExit(f"error: {path} does not exist; --data is a pretrain run's data/ directory "
+                             "(heldout.jsonl and train.jsonl)")
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    train = read("train.jsonl")
+    random.Random(seed).shuffle(train)
+    return (read("heldout.jsonl") + train)[:rows]
+
+
+def score_each(target: Path, draft: Path, replies: list[dict], k: int, temperature: float):
+    """Per reply, the draft's simulated acceptance counts (AcceptanceStats), one target forward each."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from draftadapt.capture.hidden import iter_captured
+    from draftadapt.data.sequences import as_sequences, collate
+    from draftadapt.progress import progress
+    from draftadapt.train.methods import method_for
+    from draftadapt.train.trainer import score_draft
+
+    tok = AutoTokenizer.from_pretrained(str(target))
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
+    method = method_for("eagle3")
+    head = method.load(draft, target).eval()
+    capture = method.target_capture(model, head, temperature)
+    out = []
+    for r in progress(iterable=replies, desc="replies"):
+        seqs = as_sequences([r])
+        visited, _ = score_draft(head, iter_captured(capture, [collate(seqs, pad)]), k)
+        out.append((tok.decode(r["response_ids"], skip_special_tokens=True), len(r["response_ids"]), visited))
+    return out
+
+
+def group(scored, k: int) -> dict:
+    from draftadapt.metrics.acceptance import AcceptanceStats
+
+    def total(items):
+        if not items:
+            return None
+        s = AcceptanceStats(k)
+        for _, _, stats in items:
+            s = s + stats
+        return {"acceptance": round(s.length, 3), "replies": len(items),
+                "mean_tokens": round(sum(n for _, n, _ in items) / len(items), 1)}
+
+    result = {"all": total(scored), "styles": {}}
+    for name, test in STYLES.items():
+        yes = [x for x in scored if test(x[0], x[1])]
+        no = [x for x in scored if not test(x[0], x[1])]
+        result["styles"][name] = {"share": round(len(yes) / len(scored), 3), "with": total(yes), "without": total(no)}
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", required=True, help="the target's model directory")
+    ap.add_argument("--draft", required=True, help="the frozen Eagle-3 head")
+    ap.add_argument("--data", required=True, help="a pretrain run's data/ directory (the target's own replies)")
+    ap.add_argument("--rows", type=int, default=200)
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    if a.rows < 1:
+        ap.error(f"--rows {a.rows}: give at least 1")
+    import torch
+
+    torch.set_num_threads(a.threads)
+    scored = score_each(Path(a.target), Path(a.draft), load_replies(Path(a.data), a.rows, a.seed), a.k, a.temperature)
+    result = group(scored, a.k)
+    print(f"all: {result['all']}")
+    for name, g in result["styles"].items():
+        w, wo = g["with"], g["without"]
+        print(f"{name:15s} share {g['share']:.1%}  acceptance with {w and w['acceptance']} / without "
+              f"{wo and wo['acceptance']}  tokens {w and w['mean_tokens']} / {wo and wo['mean_tokens']}")
+    if a.json:
+        print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
