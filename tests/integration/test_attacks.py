@@ -227,10 +227,11 @@ def test_a_restarted_adapter_resumes_from_its_newest_draft_and_optimizer(toy_tar
     first = DraftAdapter(toy_target, trained_head, out, cfg)
     first.observe(toy_rollouts(24, 3), policy_version=0)
     assert first.run_round(force=True)["adapt/published"] == 1.0
+    first.wait_published()  # the round's publish is written beside the next round (publish_background)
     latest = DraftStore(out, readonly=True).latest()
     weights = {k: v.clone() for k, v in first.trainer.draft.state_dict().items()}
     moments = first.trainer.resume_state()["optimizer"]["state"]
-    del first  # what a SIGKILL leaves: the store and the trainer state beside it
+    del first  # what a SIGKILL leaves once the write has landed: the store and the trainer state beside it
 
     again = DraftAdapter(toy_target, trained_head, out, small_cfg())
     assert again.resumed_from == "checkpoint" and again.live_version == latest.version
