@@ -29,7 +29,7 @@ import logging
 import math
 import random
 import time
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar, Iterable, Iterator, Sequence
@@ -45,6 +45,7 @@ from draftadapt.data.store import DraftStore
 from draftadapt.drafts.formats import check_draft_for_target, detect_format, read_hf_config
 from draftadapt.drafts.serving import METHODS, check_serves
 from draftadapt.publish import EngineSwaps, Publisher
+from draftadapt.threads import JobThreads
 from draftadapt.train.methods import DraftMethod, method_for
 from draftadapt.train.trainer import DraftTrainer, TrainConfig, score_draft
 
@@ -405,7 +406,7 @@ class DraftAdapter:
         self.swaps = EngineSwaps(self._store)
         self._simulated: dict[int, float] = {}  # published version -> its simulated acceptance length
         self._round: Future | None = None  # a round started by start_round, not yet finished
-        self._round_pool: ThreadPoolExecutor | None = None
+        self._round_pool: JobThreads | None = None
         latest = self._store.latest()
         # what a restart continued from: "start" (a new run), "published" (the newest version's
         # weights, fresh optimizer) or "checkpoint" (its weights and the trainer state beside it)
@@ -712,7 +713,7 @@ class DraftAdapter:
         if self._round is not None:
             raise RuntimeError("a background adapter round is still open: call finish_round() before starting another")
         if self._round_pool is None:
-            self._round_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draftadapt-round")
+            self._round_pool = JobThreads("draftadapt-round")  # a thread per round: threads.py says why
         self._round = self._round_pool.submit(self._run_round, force)
 
     def finish_round(self) -> dict[str, float]:

@@ -3,7 +3,7 @@
 :class:`Publisher` writes the trainer's draft as the next version of a :class:`DraftStore` (atomic,
 versioned), keeps it in memory as the live draft, and keeps the trainer state beside it so a
 restart over the same directory trains on from it (docs/design.md, "Checks at the door"). A
-round's publish copies the draft and the trainer state and hands the write and the hash to one
+round's publish copies the draft and the trainer state and hands the write and the hash to a
 writer thread, beside the next round (docs/design.md, "Publishing beside the next round").
 :class:`EngineSwaps` is the engine side: the newest version an engine may serve swapped in, and
 the check after a policy sync that it is still the one serving.
@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +26,7 @@ from torch import nn
 from draftadapt.data.store import DraftStore, DraftVersion
 from draftadapt.drafts.formats import check_identity, model_dtype, target_fingerprint
 from draftadapt.fileio import atomic_path
+from draftadapt.threads import JobThreads
 from draftadapt.train.methods import DraftMethod
 from draftadapt.train.trainer import DraftTrainer
 
@@ -62,10 +63,11 @@ class Publisher:
     """Publishes the trainer's draft for ``policy_dir`` into ``store``; ``live`` is the newest
     published draft (eval mode), as the engine serves it apart from modules shared with the policy.
 
-    ``background``: :meth:`publish` returns once the draft and the trainer state are copied; one
-    writer thread writes, hashes and renames the version into place, then saves the trainer
-    state, while the caller goes on. :meth:`wait` is where a caller that reads the store waits for
-    a version, and where a failed write raises. False: every publish is written before it returns.
+    ``background``: :meth:`publish` returns once the draft and the trainer state are copied; a
+    writer thread (one per write, ended with it: threads.py says why) writes, hashes and renames
+    the version into place, then saves the trainer state, while the caller goes on. :meth:`wait`
+    is where a caller that reads the store waits for a version, and where a failed write raises.
+    False: every publish is written before it returns.
     """
 
     def __init__(self, store: DraftStore, trainer: DraftTrainer, method: DraftMethod, fmt: str,
@@ -85,7 +87,7 @@ class Publisher:
         self.write_s = 0.0  # the last completed background write's time (export, hash, rename, state)
         self._pending: dict[int, PendingWrite] = {}
         self._lock = threading.Lock()  # _pending: a background round publishes, the loop's thread waits
-        self._writer: ThreadPoolExecutor | None = None
+        self._writer: JobThreads | None = None
         self._reserved = 0  # the highest version number handed to the writer
 
     def write(self, module: nn.Module, policy_version: int, live: nn.Module | None = None) -> int:
@@ -137,7 +139,7 @@ class Publisher:
             self._write(job, draft, state)
             return version
         if self._writer is None:
-            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draftadapt-publish")
+            self._writer = JobThreads("draftadapt-publish")  # a thread per write: threads.py says why
         with self._lock:
             self._pending[version] = job
             job.done = self._writer.submit(self._write, job, draft, state)

@@ -9,8 +9,10 @@ style by measurement before spending an RL run on it (docs/results.md, "A real m
 ``{"prompt_ids", "response_ids"}``: the target's own samples). Held-out replies come first, then
 training ones, up to ``--rows``. Each reply is scored alone (simulated acceptance at ``--k``,
 visited starts, temperature ``--temperature``), then the per-reply counts are summed per group.
-Prints one line per style (share, acceptance with and without it, mean reply tokens) and, with
-``--json``, one JSON line at the end.
+Prints one line per style (share, acceptance with and without it, mean reply tokens), with
+``--show N`` the N replies the draft accepts least and the N it accepts most (what separates them
+is what a reward would have to move the policy towards), and, with ``--json``, one JSON line at
+the end.
 """
 
 from __future__ import annotations
@@ -93,6 +95,13 @@ def group(scored, k: int) -> dict:
     return result
 
 
+def extremes(scored, n: int) -> tuple[list, list]:
+    """The ``n`` replies with the lowest and the ``n`` with the highest acceptance, as
+    (acceptance, tokens, text), lowest first in both."""
+    ranked = sorted(((stats.length, tokens, text) for text, tokens, stats in scored), key=lambda x: x[0])
+    return ranked[:n], ranked[-n:] if n else []
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", required=True, help="the target's model directory")
@@ -103,10 +112,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--show", type=int, default=0, help="also print the N hardest and N easiest replies")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     if a.rows < 1:
         ap.error(f"--rows {a.rows}: give at least 1")
+    if a.show < 0:
+        ap.error(f"--show {a.show}: give 0 (none) or the number of replies to print from each end")
     import torch
 
     torch.set_num_threads(a.threads)
@@ -117,6 +129,12 @@ def main(argv: list[str] | None = None) -> int:
         w, wo = g["with"], g["without"]
         print(f"{name:15s} share {g['share']:.1%}  acceptance with {w and w['acceptance']} / without "
               f"{wo and wo['acceptance']}  tokens {w and w['mean_tokens']} / {wo and wo['mean_tokens']}")
+    low, high = extremes(scored, a.show)
+    for title, rows in (("hardest", low), ("easiest", high)):
+        if rows:
+            print(f"{title}:")
+            for acc, tokens, text in rows:
+                print(f"  {acc:.3f} {tokens:4d} tokens  {text[:100]!r}")
     if a.json:
         print(json.dumps(result))
     return 0

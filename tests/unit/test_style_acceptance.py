@@ -52,3 +52,12 @@ def test_replies_heldout_first_and_a_missing_file_named(script, tmp_path):
     assert all(r["response_ids"][0] >= 200 for r in rows[2:])
     with pytest.raises(SystemExit, match="train.jsonl does not exist"):
         script.load_replies(tmp_path / "nowhere", 4, seed=0)
+
+
+def test_extremes_hardest_and_easiest(script):
+    scored = [("b", 5, _stats(4, [1, 0, 0])), ("a", 9, _stats(4, [4, 4, 0])), ("c", 7, _stats(4, [0, 0, 0]))]
+    low, high = script.extremes(scored, 1)
+    assert low == [(pytest.approx(1.0), 7, "c")] and high == [(pytest.approx(3.0), 9, "a")]
+    low, high = script.extremes(scored, 5)  # more than there are: every reply, in order, at both ends
+    assert [t for _, _, t in low] == ["c", "b", "a"] == [t for _, _, t in high]
+    assert script.extremes(scored, 0) == ([], [])
