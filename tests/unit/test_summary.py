@@ -24,3 +24,18 @@ def test_whole_run_block_from_per_step_acceptance():
 def test_whole_run_without_a_publish_or_a_measured_step():
     assert whole_run([3.0, 2.0], [3.0, 2.5], [False, False])["first_publish_step"] is None
     assert whole_run([math.nan], [math.nan], [True]) == {}
+
+
+def test_end_to_end_means_leave_out_the_warm_up_step():
+    from draftadapt.rl.summary import end_to_end
+
+    def step(rl, gen, train, adapt):
+        return {"stage/rl_step_s": rl, "stage/gen_s": gen, "stage/exposed_gen_s": gen, "stage/train_s": train,
+                "stage/adapt_s": adapt}
+
+    e = end_to_end([step(100.0, 60.0, 38.0, 2.0), step(10.0, 4.0, 5.5, 0.5), step(12.0, 5.0, 6.0, 1.0)])
+    assert e["from_step"] == 2
+    assert e["rl_step_s"] == pytest.approx(11.0) and e["gen_s"] == pytest.approx(4.5)
+    assert e["adapt_share"] == pytest.approx(0.75 / 11.0) and e["rl_step_without_adapter_s"] == pytest.approx(10.25)
+    one = end_to_end([step(100.0, 60.0, 38.0, 2.0)])  # a one-step run has only its first step
+    assert one["from_step"] == 1 and one["rl_step_s"] == pytest.approx(100.0)
