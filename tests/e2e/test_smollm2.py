@@ -135,6 +135,17 @@ def test_the_readme_commands_on_the_real_model(smollm2_model, tmp_path):
     assert e["k"] == 3 and 1.0 <= e["acceptance_length_measured"] <= 4.0
     # the offline estimate follows vLLM's count (measured 1.307 against 1.301 on 64 prompts)
     assert abs(e["acceptance_length_simulated"] - e["acceptance_length_measured"]) < 0.15, e
+    # scripts/style_acceptance.py --show (README, "On a real model") on that head and its own data
+    st = subprocess.run([sys.executable, "scripts/style_acceptance.py", "--target", str(smollm2_model), "--draft",
+                         str(draft), "--data", str(draft / "pretrain" / "data"), "--rows", "3", "--show", "1",
+                         "--json"], capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert st.returncode == 0, st.stdout[-2000:] + st.stderr[-3000:]
+    lines = st.stdout.strip().splitlines()
+    result = json.loads(lines[-1])
+    assert result["all"]["replies"] == 3 and 1.0 <= result["all"]["acceptance"] <= 4.0, result
+    hardest, easiest = lines.index("hardest:"), lines.index("easiest:")
+    low, high = (float(lines[i + 1].split()[0]) for i in (hardest, easiest))
+    assert 1.0 <= low <= high <= 4.0, lines
 
 
 def test_trl_recipe_on_the_real_model(smollm2_model, tmp_path):
