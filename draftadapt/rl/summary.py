@@ -49,11 +49,12 @@ def end_to_end(history: list[dict]) -> dict:
     """Means per RL step of what the user's RL step pays (measurement arms excluded), over steps
     2 on when there are two or more: step 1 carries the engines' warm-up (on SmolLM2 its RL step
     took 103 s against 60 s a step after), which no later step pays. ``from_step`` says which."""
-    steps = history[1:] if len(history) > 1 else history
+    first = 1 if len(history) > 1 else 0
+    steps = history[first:]
     n = max(1, len(steps))
     e = {key: sum(h[f"stage/{key}"] for h in steps) / n
          for key in ("rl_step_s", "gen_s", "exposed_gen_s", "train_s", "adapt_s")}
-    e["from_step"] = 2 if len(history) > 1 else 1
+    e["from_step"] = first + 1
     e["gen_share"] = e["gen_s"] / e["rl_step_s"] if e["rl_step_s"] > 0 else float("nan")
     # in an asynchronous run the adapter shares the step with the generation: no sum leaves it out
     asynchronous = any("async/engine_version" in h for h in history)
