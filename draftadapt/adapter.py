@@ -739,6 +739,18 @@ class DraftAdapter:
 
     # ------------------------------------------------------------------ engine side
 
+    @_timed
+    def simulate_live(self) -> float | None:
+        """The simulated acceptance length at ``cfg.k`` of the draft the engines serve, on the
+        newest rollouts' held-out share (their hand-over's states where given: no policy
+        forward); None before any rollout. What a paused adapter (no engine drafts) reports
+        instead of training (StepBoundary.paused)."""
+        self._wait_round()
+        held = self.replay.heldout()
+        if not held:
+            return None
+        return self.score(self.live_draft(), self.targets.batches(held, self.cfg.train.batch_size))
+
     def simulated_length(self, version: int) -> float | None:
         """The acceptance length at ``cfg.k`` this adapter simulated on held-out rollouts for the
         draft it published as ``version`` (what decided the publish); None for a version it did

@@ -130,6 +130,11 @@ class StepBoundary:
         self.engines = as_engine_set(engines)
         self.background = background
         self._round_due = False
+        # Set by the caller while no engine drafts (an online k table of zeros: the drafter
+        # idles): the adapter still observes and follows the policy, but trains no draft nobody
+        # serves; it scores the draft it would serve on the step's rollouts instead, which says
+        # when a draft would pay again (``accept/simulated_live``; docs/design.md, "Stepping aside").
+        self.paused = False
 
     # ------------------------------------------------------------------ events the caller tells
 
@@ -241,6 +246,9 @@ class StepBoundary:
         a = self.adapter
         a.observe(rollouts, policy_version=sampled_version, handover=handover)
         a.update_policy(weights, version=version)
+        if self.paused:
+            live = a.simulate_live()
+            return {"adapt/paused": 1.0, **({} if live is None else {"accept/simulated_live": live})}
         if self.background:
             self._round_due = True
             return {}

@@ -62,6 +62,12 @@ class OnlineKConfig:
     # outweigh it. Without it a table that had turned drafting off for a weak draft would never
     # measure the better one that replaced it.
     prior_drafts: int = 64
+    # Where no k pays at any batch size, draft at none: the engine's drafter then idles (no pass
+    # at all, RolloutEngine.set_k_schedule) and the step costs what a plain one does. While idle
+    # the engine measures nothing, so what says a draft would pay again is the adapter's
+    # simulated acceptance of the draft it would serve (``OnlineK.simulated``, every step).
+    # False keeps one token drafted at a single sequence instead, measured by the engine itself.
+    step_aside: bool = True
 
     def validate(self) -> None:
         if self.k_max < 1 or not self.batch_sizes or min(self.batch_sizes) < 1:
@@ -86,8 +92,9 @@ class OnlineK:
 
     def __init__(self, model: StepCostModel, max_batch: int, k_max: int, decay: float = 0.5,
                  counts: AcceptanceStats | None = None, margin: float = 0.0, min_reach: float = 0.25,
-                 prior_drafts: int = 64):
+                 prior_drafts: int = 64, step_aside: bool = False):
         self.model = model
+        self.step_aside = step_aside
         self.min_reach = min_reach
         self.prior_drafts = prior_drafts
         self.max_batch = max_batch
@@ -129,13 +136,25 @@ class OnlineK:
         self.counts = self.counts.scaled(self.decay) + acceptance
 
     def choose(self) -> KSchedule:
-        """The k table for the current counts: the argmax k per batch size. At least one draft
-        token stays on for a single sequence, so the counters keep measuring the draft (an
-        adapted draft can become worth drafting again) at the cheapest place to draft."""
+        """The k table for the current counts: the argmax k per batch size. Where no batch size
+        pays: all zeros with ``step_aside`` (the drafter idles; the adapter's simulated
+        acceptance says when to draft again), else one draft token at a single sequence, so the
+        engine's counters keep measuring the draft at the cheapest place to draft."""
         ks = best_k_per_batch(self.model, self.rates, self.max_batch, self.k_max, self.margin)
-        if not any(ks):
+        if not any(ks) and not self.step_aside:
             ks[0] = 1
         return as_schedule(ks)
+
+    def simulated(self, engine, acceptance_length: float, k: int) -> dict[str, float]:
+        """While the engine's drafter idles (no batch size drafts) its counters measure nothing:
+        the acceptance length the adapter simulated for the draft it serves, on this step's
+        rollouts, takes their place (as :meth:`new_draft` seeds a new draft), and the table is
+        re-chosen. Does nothing while the engine drafts: its own counters are better."""
+        if not getattr(engine, "drafter_idle", False):
+            return {}
+        out = self.new_draft(engine, acceptance_length, k)
+        return {"k/idle_simulated_length": float(acceptance_length), "k/idle_rate": out["k/seeded_rate"],
+                "k/resumed": out["k/changed_on_swap"]}
 
     def new_draft(self, engine, acceptance_length: float, k: int) -> dict[str, float]:
         """Another draft serves in ``engine`` now: the counts of the one before no longer describe
@@ -183,8 +202,10 @@ class OnlineK:
         from 0 to the engine's: the cost is convex in k at large batches, and a line through
         three lengths over-priced the middle ones there, docs/design.md "Online k"),
         ``cfg.calibrate_tokens`` tokens for each calibration batch size of
-        ``prompts`` (reused in order when there are fewer). The k = 0 cost is this engine's (its
-        drafter's first pass still runs, docs/design.md "Online k"), not a plain engine's. The
+        ``prompts`` (reused in order when there are fewer). The k = 0 cell is this engine's with
+        its drafter idle (a table of zeros runs no drafter: a plain step's cost, docs/design.md
+        "Stepping aside"); in a table that drafts at some other batch size vLLM's first pass
+        still runs at k = 0, which this cell does not price. The
         k_max generations also give the first acceptance counts; the engine then serves the
         table they choose (its own table again if the calibration fails)."""
         cfg = cfg or OnlineKConfig()
@@ -223,7 +244,7 @@ class OnlineK:
                     length = best.acceptance.length if k else 1.0
                     points.append((k, b, step_seconds(b, best.tokens_per_s, length)))
             online = cls(fit_step_costs(points), engine.max_num_seqs, k_max, cfg.decay, counts, cfg.margin,
-                         cfg.min_reach, cfg.prior_drafts)
+                         cfg.min_reach, cfg.prior_drafts, cfg.step_aside)
             engine.set_k_schedule(online.choose())
             done = True
         finally:

@@ -231,6 +231,8 @@ class RolloutEngine:
                     enforce_eager=enforce_eager, **({} if block_size is None else {"block_size": block_size}))
         self.max_num_seqs = max_num_seqs
         self._record_what_serves(meta, speculate)
+        if self._k_schedule is not None and self.in_process:
+            self.set_k_schedule(self._k_schedule)  # a table of zeros starts with the drafter idle
         if speculate and serving.in_target and draft is not None:
             # vLLM started the drafter with the target's own MTP layers: the draft dir's go in now
             self.swap_draft(draft)
@@ -259,6 +261,7 @@ class RolloutEngine:
             speculative_config["num_speculative_tokens_per_batch_size"] = [tuple(int(v) for v in r) for r in k_schedule]
         self._k_schedule = ([tuple(int(v) for v in r) for r in k_schedule]
                             if speculative_config is not None and k_schedule else None)
+        self._drafter_idle = False
         return serving, speculate, speculative_config
 
     def _check_target_and_draft(self, draft, serving, speculate: bool, dtype) -> dict[str, Any]:
@@ -397,12 +400,14 @@ class RolloutEngine:
         """The per-batch-size k table the engine drafts by now (None: ``k`` at every batch size)."""
         return None if self._k_schedule is None else list(self._k_schedule)
 
-    def set_k_schedule(self, schedule: Sequence[tuple[int, int, int]]) -> None:
+    def set_k_schedule(self, schedule: Sequence[tuple[int, int, int]], idle_drafter: bool = True) -> None:
         """Change the per-batch-size k table in place, between generations: vLLM's scheduler
         looks the k up in a dense batch-size table every step and the model runner drafts that
         many (docs/design.md, "Online k"). Needs an in-process engine started with a
         ``k_schedule``; k above the engine's ``num_speculative_tokens`` is capped to it, as
-        vLLM does at start-up."""
+        vLLM does at start-up. A table of zeros idles the drafter (no pass at all, where vLLM
+        would still run its first one; docs/design.md, "Stepping aside"); ``idle_drafter=False``
+        keeps vLLM's own behaviour (scripts/bench_k_table.py measures the two)."""
         if self._k_schedule is None:
             raise ValueError("this engine was started without a k schedule; start it with "
                              f"RolloutEngine(..., num_speculative_tokens=K_MAX, k_schedule=[(1, {self.max_num_seqs}, K)])")
@@ -418,7 +423,24 @@ class RolloutEngine:
         core = self.llm.llm_engine.engine_core.engine_core
         core.scheduler.dynamic_sd_lookup[:] = dense
         core.vllm_config.speculative_config.num_speculative_tokens_per_batch_size = rows
+        # a model-free drafter (n-gram, suffix) has no forward to skip
+        idle = idle_drafter and not any(dense) and self.method not in MODEL_FREE_METHODS
+        if idle != self._drafter_idle:
+            self._rpc(WorkerCall.DRAFTER_IDLE, idle)
+            self._drafter_idle = idle
         self._k_schedule = rows
+
+    @property
+    def drafter_idle(self) -> bool:
+        """True while the k table drafts at no batch size: then no step runs the drafter
+        (``set_k_schedule`` switches it; docs/design.md, "Stepping aside")."""
+        return self._drafter_idle
+
+    def drafter_idle_steps(self) -> int:
+        """Engine steps run so far without the drafter (a table of zeros; 0 if never idle)."""
+        if self.method is None or not self.in_process:
+            return 0
+        return int(self._rpc(WorkerCall.DRAFTER_IDLE, None)["idle_steps"])
 
     # ------------------------------------------------------------------ draft swap
 

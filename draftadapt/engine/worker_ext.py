@@ -157,6 +157,7 @@ class WorkerCall:
     LOAD_DRAFT = "da_load_draft"  # a published draft file into the running drafter
     LOAD_POLICY = "da_load_policy"  # new policy weights, in place
     POLICY_CHECKSUM = "da_policy_checksum"  # a fingerprint of the served policy
+    DRAFTER_IDLE = "da_drafter_idle"  # skip the drafter's pass on steps that draft no token
 
 
 class DraftAdaptWorkerExtension:
@@ -256,3 +257,33 @@ class DraftAdaptWorkerExtension:
 
     def da_policy_checksum(self, full: bool = False) -> str:
         return module_checksum(self.get_model(), full=full)
+
+    def da_drafter_idle(self, idle: bool | None) -> dict:
+        """While ``idle``, a step whose scheduled draft length is 0 runs no drafter at all.
+
+        vLLM runs the drafter's first pass even when its k table says 0 for the batch size
+        ("Dynamic SD decided K=0"), to keep the drafter's KV cache in step with the target's; on
+        this CPU that pass made a k = 0 step cost 1.16-1.65x a plain one (docs/design.md,
+        "Stepping aside"). The engine turns idle on only while its whole table is 0, and changes
+        the table only between generations, so no request that is ever drafted misses a pass:
+        every request that lives through an idle generation is never drafted. Verification is
+        untouched (no draft tokens are proposed, so every sampled token is the target's own).
+        ``idle=None`` changes nothing. Returns whether the runner idles and how many steps it
+        has run without the drafter so far.
+        """
+        runner = self.model_runner
+        if not hasattr(runner, "_da_propose"):
+            runner._da_propose = runner.propose_draft_token_ids
+            runner._da_drafter_idle, runner._da_idle_steps = False, 0
+
+            def propose(scheduler_output, *args, **kwargs):
+                if runner._da_drafter_idle and scheduler_output.num_spec_tokens_to_schedule == 0:
+                    runner._da_idle_steps += 1
+                    # what the proposer itself returns for K=0: no draft token for any request
+                    return torch.empty(len(runner.input_batch.req_ids), 0, dtype=torch.int64, device=runner.device)
+                return runner._da_propose(scheduler_output, *args, **kwargs)
+
+            runner.propose_draft_token_ids = propose
+        if idle is not None:
+            runner._da_drafter_idle = bool(idle)
+        return {"idle": runner._da_drafter_idle, "idle_steps": runner._da_idle_steps}

@@ -161,9 +161,12 @@ class DemoConfig:
     # The speculative engine's draft length: "fixed" drafts k tokens at every step; "online"
     # starts it at online_k.k_max with vLLM's per-batch-size k table, measures its step costs at
     # start and re-chooses the table after every RL step from the RL batch's own acceptance
-    # counters, 0 where no draft pays (docs/design.md, "Online k"). The frozen arm is measured
-    # under the same table.
-    k_policy: Literal["fixed", "online"] = "fixed"
+    # counters, 0 where no draft pays (docs/design.md, "Online k"); where no batch size pays the
+    # drafter idles and the step costs a plain one (online_k.step_aside, docs/design.md "Stepping
+    # aside"). The frozen arm is measured under the same table. "auto": online where the engine
+    # can change its table in place (one engine, in this process or an async run's own; not the
+    # Ray fleet of engines > 1), else fixed.
+    k_policy: Literal["auto", "fixed", "online"] = "auto"
     online_k: OnlineKConfig = field(default_factory=OnlineKConfig)
     # k_policy=online, at the last step's RL batch: rounds of no speculation, the online table and
     # fixed k, interleaved in turn; the fastest generation of each arm counts (this machine's
@@ -196,6 +199,13 @@ class DemoConfig:
     def __post_init__(self) -> None:
         if self.k is None:
             self.k = 5 if self.method == "mtp" else 3
+
+    @property
+    def online(self) -> bool:
+        """Does the speculative engine choose its k table online (k_policy, "auto" resolved)?"""
+        if self.k_policy == "auto":
+            return self.spec and self.engines == 1
+        return self.k_policy == "online"
 
     def validate(self) -> None:
         if self.k < 1:

@@ -135,7 +135,7 @@ def setup(cfg: DemoConfig, world: World, target: Path, draft0: Path, out: Path, 
     # train, so the trainer takes the cores back.
     torch.set_num_threads(cfg.engine_threads)
     online_k = None
-    if spec_engine is not None and cfg.k_policy == "online":
+    if spec_engine is not None and cfg.online:
         online_k = OnlineK.calibrate(spec_engine, eval_prompts, cfg.online_k, cfg.grpo.temperature, cfg.eval.seed)
         print(f"[demo] online k: step costs measured in {online_k.calibrate_s:.1f} s, k table "
               f"{schedule_text(spec_engine.k_schedule)} (batch sizes:k)", flush=True)
@@ -166,7 +166,7 @@ def start_engines(cfg: DemoConfig, target: Path, draft0: Path, out: Path):
                                                     max_num_seqs=cfg.max_num_seqs))
     elif cfg.spec:
         adapter = DraftAdapter(target, draft0, out / "drafts", cfg.adapter)
-        online = cfg.k_policy == "online"
+        online = cfg.online
         spec_engine = rl_engine(target, draft0, method=cfg.method,
                                 num_speculative_tokens=cfg.online_k.k_max if online else cfg.k,
                                 threads=cfg.engine_threads, seed=cfg.seed, max_num_seqs=cfg.max_num_seqs,
@@ -245,6 +245,8 @@ def sync_step(r: Run, boundary: StepBoundary, step: int) -> tuple[dict, list[dic
     metrics, weights, ho = update(r, step, problems, gen.rollouts)
     row.update(metrics)
     handover_s = ho.seconds if ho is not None else 0.0
+    # no batch size drafts: the adapter trains nothing nobody serves (docs/design.md, "Stepping aside")
+    boundary.paused = r.online_k is not None and r.spec_engine.drafter_idle
     b = boundary.after_update(gen.rollouts, sampled_version=step, weights=weights, version=step + 1, handover=ho)
     row["stage/train_s"] = time.perf_counter() - t0 - handover_s - b.adapter_s
     row["stage/adapt_s"] = 0.0
@@ -252,6 +254,9 @@ def sync_step(r: Run, boundary: StepBoundary, step: int) -> tuple[dict, list[dic
         row.update(b.metrics)
         if b.swap is not None:
             seed_online_k(r, r.spec_engine, b.swap, row)
+        elif boundary.paused and "accept/simulated_live" in b.metrics:  # what says a draft pays again
+            row.update(r.online_k.simulated(r.spec_engine, b.metrics["accept/simulated_live"], r.adapter.cfg.k))
+            row["k/schedule"] = schedule_text(r.spec_engine.k_schedule)
         row["stage/adapt_s"] = b.adapter_s + handover_s
         row["adapt/handover_s"] = handover_s
         row["draft/version"] = float(r.spec_engine.draft_version or 0)

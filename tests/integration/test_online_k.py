@@ -42,8 +42,17 @@ def test_the_k_served_follows_the_table_changed_in_place(table_engine, plain_eng
     assert d[0] > 0 and d[1:] == [0, 0, 0, 0]
 
     engine.set_k_schedule([(1, 64, 0)])  # speculation off in the speculative engine
+    assert engine.drafter_idle  # a table of zeros idles the drafter: no pass at all
+    idle_before = engine.drafter_idle_steps()
     res0, _ = drafted(engine, prompts)
     assert res0.acceptance.drafts == 0
+    idle_steps = engine.drafter_idle_steps() - idle_before
+    assert idle_steps >= 16  # every step of the 16-token generation skipped the drafter
+
+    engine.set_k_schedule([(1, 64, 0)], idle_drafter=False)  # vLLM's own k = 0: the first pass runs
+    assert not engine.drafter_idle
+    res0v, _ = drafted(engine, prompts)
+    assert res0v.acceptance.drafts == 0 and engine.drafter_idle_steps() - idle_before == idle_steps
 
     engine.set_k_schedule([(1, 64, 5)])
     res5, d = drafted(engine, prompts)
@@ -56,9 +65,10 @@ def test_the_k_served_follows_the_table_changed_in_place(table_engine, plain_eng
     assert d[0] > 0 and d == [d[0]] * 5
     resm, d = drafted(engine, prompts)
     assert d[0] == d[1] > d[2] == d[3] == d[4]  # the 8-sequence steps drafted 2, the tail 5
+    assert not engine.drafter_idle  # a table that drafts anywhere keeps vLLM's pass at k = 0
 
     # greedy decoding under every table is the target's own output
-    for r in (res, res1, res0, res5, resm):
+    for r in (res, res1, res0, res0v, res5, resm):
         assert [x.token_ids for x in r.rollouts] == [x.token_ids for x in reference.rollouts]
 
     with pytest.raises(ValueError, match="started without a k schedule"):

@@ -25,6 +25,8 @@ class Recorder:
                 return True
             if op == "swap":
                 return SimpleNamespace(version=2, ms=3.0)
+            if op == "simulate_live":
+                return 1.25
             return None
         return call
 
@@ -55,6 +57,20 @@ def test_background_rounds_collect_the_last_round_first_and_start_the_next_befor
     b.before_generate()
     assert calls == ["engine0.update_policy", "adapter.finish_round", "adapter.swap", "adapter.check_integrity",
                      "adapter.observe", "adapter.update_policy", "adapter.start_round"]
+
+
+def test_a_paused_boundary_observes_and_scores_the_served_draft_but_trains_none():
+    calls, engines, adapter = engines_and_adapter()
+    b = StepBoundary(adapter, engines[0])
+    b.paused = True  # no engine drafts: nobody would serve what a round trains
+    res = b.after_update(["r"], sampled_version=0, weights={}, version=1)
+    assert calls == ["engine0.update_policy", "adapter.check_integrity", "adapter.observe", "adapter.update_policy",
+                     "adapter.simulate_live", "adapter.swap"]
+    assert res.metrics == {"draft/integrity_ok": 1.0, "adapt/paused": 1.0, "accept/simulated_live": 1.25, "swap/ms": 3.0}
+    calls.clear()
+    b.paused = False  # drafting again: the round runs as before
+    b.after_update(["r"], sampled_version=1, weights={}, version=2)
+    assert "adapter.run_round" in calls and "adapter.simulate_live" not in calls
 
 
 def test_asynchronous_split_and_no_adapter():

@@ -159,11 +159,36 @@ def test_update_folds_counts_in_and_writes_the_table_only_when_it_changes():
     assert k_at(engine.k_schedule, 8) < first["k/b8"]
 
 
-def test_a_table_never_turns_every_draft_off():
+def test_without_step_aside_a_table_never_turns_every_draft_off():
     # at any batch size no draft pays: one token stays on for a single sequence, so the
     # counters keep measuring the draft
     online = OnlineK(MODEL, 64, 5, counts=stats([0, 0, 0, 0, 0], [100] * 5, 100))
     assert online.choose() == [(1, 1, 1), (2, 64, 0)]
+
+
+class IdlingEngine(RecordingEngine):
+    """A table of zeros idles the drafter (RolloutEngine.set_k_schedule)."""
+
+    @property
+    def drafter_idle(self):
+        return not any(k for _, _, k in self.k_schedule)
+
+
+def test_step_aside_turns_every_draft_off_and_the_simulated_length_turns_it_back_on():
+    assert OnlineKConfig().step_aside  # the default
+    online = OnlineK(MODEL, 64, 5, counts=stats([0, 0, 0, 0, 0], [100] * 5, 100), step_aside=True)
+    assert online.choose() == [(1, 64, 0)]
+    engine = IdlingEngine([(1, 64, 3)])
+    online.update(engine, stats([0, 0, 0, 0, 0], [100] * 5, 100))
+    assert engine.drafter_idle and engine.k_schedule == [(1, 64, 0)]
+    # idle: the engine measures nothing, the adapter's simulated length of the served draft
+    # stands in; a weak draft (1.05 at k = 3) keeps it idle, a good one (3.4) turns drafting on
+    m = online.simulated(engine, 1.05, 3)
+    assert engine.drafter_idle and m["k/resumed"] == 0.0 and m["k/idle_simulated_length"] == 1.05
+    m = online.simulated(engine, 3.4, 3)
+    assert not engine.drafter_idle and m["k/resumed"] == 1.0 and k_at(engine.k_schedule, 1) > 0
+    # once drafting, the engine's own counters decide; the simulated length is not used
+    assert online.simulated(engine, 1.0, 3) == {} and not engine.drafter_idle
 
 
 def test_positions_the_table_stopped_drafting_are_extrapolated_not_kept_stale():
