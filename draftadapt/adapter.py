@@ -24,6 +24,7 @@ from its own copy of the current policy (docs/design.md, "Hand-over").
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import logging
 import math
@@ -107,10 +108,18 @@ class ValidateConfig:
     margin: float = 0.01
     heldout_fraction: float = 0.25  # of the newest version's rollouts, never trained on
     max_heldout: int = 64  # sequences
+    # Keep the better draft: at every round call the served draft and the frozen first draft are
+    # scored on the same held-out rollouts of the newest policy; when the served one is below the
+    # frozen one by more than guard_margin (a fraction), the frozen draft is published and
+    # swapped back in (docs/design.md, "Keep the better draft").
+    guard: bool = True
+    guard_margin: float = 0.03
 
     def validate(self) -> None:
         if not 0 <= self.margin < 1 or not 0 < self.heldout_fraction < 1:
             raise ConfigError(f"validation: margin in [0,1) and heldout_fraction in (0,1); got {self.margin}, {self.heldout_fraction}")
+        if not 0 <= self.guard_margin < 1:
+            raise ConfigError(f"validation: guard_margin is a fraction in [0, 1) (got {self.guard_margin})")
 
 
 # The run's facts, when nothing passes them: what DraftAdapter serves, scores and matches.
@@ -389,6 +398,9 @@ class DraftAdapter:
             model = PolicyCopy.load_model(self.policy_dir)
             draft, fmt = _load_draft(Path(draft_dir), self.policy_dir, self.method)
         self._policy = PolicyCopy(model, self.policy_dir, policy_version)
+        # the first draft as it was, for the guard (frozen: never trained; shared modules follow the policy)
+        self._frozen = copy.deepcopy(draft).eval() if self.cfg.validation.guard else None
+        self._serving_frozen = True  # version 0 of a new run is the first draft itself
         self.trainer = DraftTrainer(draft, self.method, self.cfg.train, pad_id=self.pad_id)
         self.capture = self.method.target_capture(self.policy, draft, self.cfg.temperature)
         self.targets = Targets(self._policy, self.capture, self.cfg.targets, self.cfg.handover_store)
@@ -417,6 +429,7 @@ class DraftAdapter:
         else:
             self.resumed_from = self.publisher.resume(
                 latest, lambda path: _load_draft(path, self.policy_dir, self.method)[0])
+            self._serving_frozen = latest.version == 0
 
     # ------------------------------------------------------------------ the policy copy
 
@@ -528,9 +541,10 @@ class DraftAdapter:
         return self._run_round(force)
 
     def _run_round(self, force: bool) -> dict[str, float]:
+        metrics: dict[str, float] = {"adapt/trained": 0.0, "adapt/published": 0.0, "adapt/rejected": 0.0}
+        metrics.update(self._guard())
         due, why = self.trigger.due(len(self.replay), lambda: self.score(self.live_draft(), self.targets.batches(
             self.replay.heldout(), self.cfg.train.batch_size)))
-        metrics: dict[str, float] = {"adapt/trained": 0.0, "adapt/published": 0.0, "adapt/rejected": 0.0}
         share = self.cost.share()
         if share is not None:
             metrics["adapt/share"] = share
@@ -540,54 +554,22 @@ class DraftAdapter:
             metrics.update({"adapt/skipped": 1.0, "adapt/deferred": 1.0})
             self._log(metrics)
             return metrics
-        if not (due or force and len(self.replay) > 0):
+        split = self._round_split() if due or force and len(self.replay) > 0 else None
+        if split is None:
             metrics["adapt/skipped"] = 1.0
             return metrics
         t0 = time.perf_counter()
-        heldout, train = self.replay.split_recent()
-        # The buffer holds out whole prompts of the newest version (GRPO groups sample a prompt
-        # several times), but the max_heldout cap can cut a group and an older version may hold
-        # the same prompt; a held-out rollout whose prompt is trained on would flatter the
-        # candidate, so those rollouts sit this round out.
-        held_prompts = {it.prompt_key for it in heldout}
-        train = [it for it in train if it.prompt_key not in held_prompts]
-        if not heldout or not train:
-            metrics["adapt/skipped"] = 1.0
-            return metrics
+        heldout, train = split
         # Both drafts are scored on the same held-out rollouts, captured once: a score remembered
         # from an older policy is not comparable (when the policy moves fast every score falls,
         # and a stale live score would reject every candidate).
         held = self.targets.batches(heldout, self.cfg.train.batch_size)
         live = self.score(self.live_draft(), held)
         self.refresh_shared_embeddings()
-        sched = self.cfg.schedule
-        budget = max(sched.max_train_steps, sched.train_steps)
-        advance_s = sched.burst_rounds * (self.cost.round_s or 0.0) if urgent else 0.0
-        done, before, first_s = 0, live, None
-        while True:
-            t_block = time.perf_counter()
-            train_metrics = self._train_block(train, sched.train_steps)
-            done += sched.train_steps
-            candidate = self._score_candidate(held)
-            now = time.perf_counter()
-            first_s = first_s or now - t0
-            # another block only while the last one still paid off (the draft is behind the
-            # policy), and, under max_share, while another block's time fits the budget
-            if (done + sched.train_steps > budget or candidate < before * (1 + sched.catchup_gain)
-                    or not (force or self.cost.allows(now - t_block, advance_s, running_s=now - t0))):
-                break
-            before = candidate
+        candidate, done, train_metrics, first_s = self._train_blocks(train, held, live, urgent, force, t0)
         metrics.update({k: v for k, v in train_metrics.items() if k.startswith("train/")})
         if not math.isfinite(train_metrics.get("train/loss", 0.0)) or not self.trainer.weights_finite():
-            # a non-finite round would poison every later one: back to the live draft, fresh moments
-            self.trainer.reset_to(self.live_draft())
-            log.warning("adapter: the round's loss or weights went non-finite; the trainer is back at the live draft")
-            metrics.update({"adapt/trained": 1.0, "adapt/rolled_back": 1.0, "adapt/rejected": 1.0,
-                            "train/loss": float("nan")})
-            self.trigger.trained(False, live)
-            metrics["stage/adapt_s"] = time.perf_counter() - t0
-            self._log({k: v for k, v in metrics.items() if math.isfinite(v)})
-            return metrics
+            return self._roll_back(metrics, live, t0)
         metrics.update({
             "adapt/train_steps": float(done),
             "adapt/trained": 1.0,
@@ -599,18 +581,7 @@ class DraftAdapter:
         })
         published = self.gate.passes(candidate, live)
         if published:
-            # tagged with the newest policy its targets came from: the sampling policy of the
-            # newest rollouts when they were handed over, else the adapter's current copy
-            target_version = self.policy_version
-            if all(self.targets.handed_over(it) for it in train + heldout):
-                target_version = max(it.policy_version for it in train + heldout)
-            version = self.publisher.publish(target_version)
-            self._simulated[version] = candidate
-            metrics["adapt/published"] = 1.0
-            metrics["draft/published_version"] = float(version)
-            # on the round's path: the copies; the write before this one, done beside the run
-            metrics["publish/copy_s"] = self.publisher.copy_s
-            metrics["publish/write_s"] = self.publisher.write_s
+            metrics.update(self._publish_candidate(candidate, train + heldout))
         else:
             metrics["adapt/rejected"] = 1.0
         self.trigger.trained(published, candidate, live)
@@ -618,6 +589,95 @@ class DraftAdapter:
         self.cost.round_s = first_s
         self._log(metrics)
         return metrics
+
+    def _round_split(self) -> tuple[list[ReplayItem], list[ReplayItem]] | None:
+        """(held-out, train) rollouts of a round; None when either is empty. The buffer holds out
+        whole prompts of the newest version (GRPO groups sample a prompt several times), but the
+        max_heldout cap can cut a group and an older version may hold the same prompt; a
+        held-out rollout whose prompt is trained on would flatter the candidate, so those
+        rollouts sit this round out."""
+        heldout, train = self.replay.split_recent()
+        held_prompts = {it.prompt_key for it in heldout}
+        train = [it for it in train if it.prompt_key not in held_prompts]
+        return (heldout, train) if heldout and train else None
+
+    def _train_blocks(self, train: list[ReplayItem], held: list[CapturedBatch], live: float, urgent: bool,
+                      force: bool, t0: float) -> tuple[float, int, dict[str, float], float]:
+        """Blocks of schedule.train_steps optimizer steps, another only while the last one still
+        paid off (the draft is behind the policy) and, under max_share, while another block's time
+        fits the budget. Returns (the candidate's score, steps done, the last block's metrics,
+        the first block's seconds from ``t0``)."""
+        sched = self.cfg.schedule
+        budget = max(sched.max_train_steps, sched.train_steps)
+        advance_s = sched.burst_rounds * (self.cost.round_s or 0.0) if urgent else 0.0
+        done, before, first_s = 0, live, None
+        while True:
+            t_block = time.perf_counter()
+            train_metrics = self._train_block(train, sched.train_steps)
+            done += sched.train_steps
+            candidate = self._score_candidate(held)
+            now = time.perf_counter()
+            first_s = first_s or now - t0
+            if (done + sched.train_steps > budget or candidate < before * (1 + sched.catchup_gain)
+                    or not (force or self.cost.allows(now - t_block, advance_s, running_s=now - t0))):
+                return candidate, done, train_metrics, first_s
+            before = candidate
+
+    def _roll_back(self, metrics: dict[str, float], live: float, t0: float) -> dict[str, float]:
+        """A non-finite round would poison every later one: back to the live draft, fresh moments."""
+        self.trainer.reset_to(self.live_draft())
+        log.warning("adapter: the round's loss or weights went non-finite; the trainer is back at the live draft")
+        metrics.update({"adapt/trained": 1.0, "adapt/rolled_back": 1.0, "adapt/rejected": 1.0,
+                        "train/loss": float("nan")})
+        self.trigger.trained(False, live)
+        metrics["stage/adapt_s"] = time.perf_counter() - t0
+        self._log({k: v for k, v in metrics.items() if math.isfinite(v)})
+        return metrics
+
+    def _publish_candidate(self, candidate: float, items: list[ReplayItem]) -> dict[str, float]:
+        """The trainer's draft as the next version, tagged with the newest policy its targets came
+        from: the sampling policy of the newest rollouts when they were handed over, else the
+        adapter's current copy."""
+        target_version = self.policy_version
+        if all(self.targets.handed_over(it) for it in items):
+            target_version = max(it.policy_version for it in items)
+        version = self.publisher.publish(target_version)
+        self._simulated[version] = candidate
+        self._serving_frozen = False
+        # on the round's path: the copies; the write before this one, done beside the run
+        return {"adapt/published": 1.0, "draft/published_version": float(version),
+                "publish/copy_s": self.publisher.copy_s, "publish/write_s": self.publisher.write_s}
+
+    def _guard(self) -> dict[str, float]:
+        """Keep the better draft: the served draft and the frozen first one, both scored on the
+        newest rollouts' held-out share (the same rows, the hand-over's states: no generation, no
+        policy forward where handed over). When the served one falls below the frozen one by more
+        than validation.guard_margin, the frozen draft is published as the next version (the
+        trainer restarts from it, fresh moments) and swapped in at this boundary. Metrics
+        ``guard/*`` (docs/design.md, "Keep the better draft")."""
+        if not self.cfg.validation.guard or self._serving_frozen:
+            return {}
+        heldout = self.replay.heldout()
+        if not heldout:
+            return {}
+        held = self.targets.batches(heldout, self.cfg.train.batch_size)
+        served = self.score(self.live_draft(), held)
+        self.method.refresh_shared(self._frozen, self.policy)
+        frozen = self.score(self._frozen, held)
+        out = {"guard/served_simulated": served, "guard/frozen_simulated": frozen,
+               "guard/served_over_frozen": served / frozen, "guard/reverted": 0.0}
+        if self.trigger.measured is not None:  # the engine's counters for the served one, on the RL batch
+            out["guard/served_measured"] = self.trigger.measured
+        if served < frozen * (1 - self.cfg.validation.guard_margin):
+            self.trainer.reset_to(self._frozen)
+            version = self.publisher.publish(self.policy_version)
+            self._simulated[version] = frozen
+            self._serving_frozen = True
+            out.update({"guard/reverted": 1.0, "draft/published_version": float(version)})
+            log.warning("adapter: the served draft (simulated %.3f) fell below the frozen first draft (%.3f) by more "
+                        "than %.0f%%; the frozen draft is published as version %d", served, frozen,
+                        100 * self.cfg.validation.guard_margin, version)
+        return out
 
     def _train_block(self, train: list[ReplayItem], n: int) -> dict[str, float]:
         """``n`` optimizer steps on batches drawn from ``train`` (recent versions weighted up)."""

@@ -77,7 +77,7 @@ def test_background_round_runs_beside_generation_and_is_swapped_after(world, toy
         assert m["adapt/trained"] == 1.0 and m["adapt/published"] == 1.0, m
         assert adapter.finish_round() == {}  # nothing open any more
         res = adapter.swap(engine)
-        assert res is not None and res.version == 2 and engine.draft_version == 2
+        assert res is not None and res.version == bad_version + 1 and engine.draft_version == 2
         adapter.start_round()
     finally:
         adapter.close()  # finishes the open round
@@ -101,7 +101,7 @@ def test_train_validate_publish_swap(world, toy_target):
     assert meta["version"] == 2 and meta["policy_version"] == 0
 
     res = adapter.swap(engine)
-    assert res is not None and res.version == 2 and engine.draft_version == 2
+    assert res is not None and res.version == bad_version + 1 and engine.draft_version == 2
     assert engine.draft_state()["checksum"] == res.checksum
     assert adapter.swap(engine) is None  # already live: nothing to do
     from draftadapt.sidecar import pick_up_latest
@@ -217,6 +217,39 @@ def test_validation_rejects_a_worse_candidate(world, trained, toy_target):
     assert m["accept/simulated_length"] < m["accept/simulated_live"] * 0.99, m
     assert adapter.store.latest().version == live.version
     assert DraftStore(out).versions() == [live.version]
+
+
+def test_the_guard_goes_back_to_the_frozen_draft_when_the_served_one_falls_below_it(world, trained, toy_target):
+    """A published draft worse than the first one (its weights zeroed: it drafts one token
+    whatever the context, as a draft left far behind by the policy does) is replaced
+    at the next round call by the frozen first draft, published as the next version and served."""
+    engine = world["engine"]
+    cfg = small_cfg()
+    cfg.schedule = ScheduleConfig(every_n_steps=0, drift_fraction=0.0, min_sequences=8)  # the guard alone: no round due
+    adapter = DraftAdapter(toy_target, trained, world["root"] / "keep_better", cfg)
+    first = {k: v.clone() for k, v in adapter.trainer.draft.state_dict().items()}
+    bad = {k: torch.zeros_like(v) if v.is_floating_point() and v.ndim == 2 else v for k, v in first.items()}
+    adapter.trainer.draft.load_state_dict(bad)
+    bad_version = adapter.publish()
+    adapter._serving_frozen = False  # what a round's publish sets
+    adapter.swap(engine)
+    served_bad = engine.generate(world["prompts"][:16], temperature=1.0, max_tokens=48, seed=7).acceptance.length
+    adapter.observe(rollouts(world, seed=5), policy_version=0)
+    m = adapter.run_round()
+    assert m["guard/reverted"] == 1.0 and m["draft/published_version"] == bad_version + 1, m
+    assert m["guard/served_simulated"] < m["guard/frozen_simulated"] * (1 - adapter.cfg.validation.guard_margin), m
+    assert m["guard/served_over_frozen"] == pytest.approx(m["guard/served_simulated"] / m["guard/frozen_simulated"])
+    assert adapter.store.latest().version == bad_version + 1
+    live = adapter.live_draft().state_dict()
+    for k, v in first.items():  # the new version is the first draft's weights, and so is the trainer's start
+        assert torch.equal(live[k], v), k
+    res = adapter.swap(engine)
+    assert res is not None and res.version == bad_version + 1
+    back = engine.generate(world["prompts"][:16], temperature=1.0, max_tokens=48, seed=7).acceptance.length
+    assert back > served_bad * 1.1, (back, served_bad)  # the engine serves the better draft again
+    # the frozen draft serving: the guard has nothing to compare until the next publish
+    adapter.observe(rollouts(world, seed=6), policy_version=0)
+    assert "guard/reverted" not in adapter.run_round()
 
 
 def test_integrity_guard_swaps_the_lost_draft_back(world, trained, toy_target):
@@ -370,7 +403,7 @@ def test_draft_lm_adapts_and_swaps(toy_target, tmp_path):
         _priorities_after_a_round(adapter, steps=6, batch=8)
         assert m["accept/simulated_length"] > m["accept/simulated_live"], m
         res = adapter.swap(engine)
-        assert res is not None and res.version == 2
+        assert res is not None and res.version == bad_version + 1
         assert engine.draft_state()["checksum"] == res.checksum
         after = engine.generate(toy_prompts(toy_target, 8), temperature=1.0, max_tokens=32, seed=2)
         assert after.acceptance.drafts > 0
