@@ -440,7 +440,8 @@ def with_intermediate_size(head: Eagle3Head, intermediate_size: int, seed: int) 
     """The same head with an MLP of another width: fresh MLP weights, every other tensor kept.
 
     A narrower MLP makes every speculative step cheaper; on the CPU toy a 256-wide MLP learned as
-    well as the target's 768 and cut the drafter's share of a step (scripts/bench_pretrain.py).
+    well as the target's 768 and cut the drafter's share of a step (scripts/bench_pretrain.py at
+    commit 0b04f9e; docs/results.md, "Measured on a 2-core CPU").
     """
     if intermediate_size < 1:
         raise ValueError(f"intermediate_size must be >= 1, got {intermediate_size}")
