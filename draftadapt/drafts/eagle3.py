@@ -312,27 +312,8 @@ def ttt_unroll(
     ids = input_ids
     keys, values, out = [], [], []
     positions = torch.arange(t, device=dev).expand(b, t)
-    causal = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
-    starts = None
-    if segments is not None:
-        causal = (causal & (segments[:, :, None] == segments[:, None, :]))[:, None]  # [B, 1, T, T]
-        starts = segments != torch.cat([segments.new_full((b, 1), -2), segments[:, :-1]], dim=1)
-    if slots is None:
-        base = positions
-        diag = torch.eye(t, dtype=torch.bool, device=dev).expand(causal.shape)
-        masks = [torch.cat([causal] + [diag] * j, dim=-1) for j in range(steps)]  # [(B, 1,) T, (j+1)T]
-    else:
-        m = slots.shape[1]
-        base = slots
-        seen = (torch.arange(t, device=dev) <= slots[..., None])[:, None]  # [B, 1, M, T]
-        if segments is not None:
-            seen = seen & (segments.gather(1, slots)[..., None] == segments[:, None, :])[:, None]
-        diag = torch.eye(m, dtype=torch.bool, device=dev).expand(b, 1, m, m)
-        masks = [causal] + [torch.cat([seen] + [diag] * j, dim=-1) for j in range(1, steps)]
-
-    def gather(x: torch.Tensor) -> torch.Tensor:  # [B, T, ...] by position -> [B, M, ...] at the slots
-        return x.gather(1, slots if x.dim() == 2 else slots[..., None].expand(-1, -1, x.shape[-1]))
-
+    base = positions if slots is None else slots
+    masks, starts = _ttt_masks(b, t, steps, slots, segments, dev)
     for j in range(steps):
         a_in, residual = layer.attn_input(head.embed_inputs(ids, j, starts), hidden)
         q, k, v = layer.self_attn.qkv(a_in, positions if j == 0 else base + j)
@@ -343,22 +324,52 @@ def ttt_unroll(
         logits = None if features else head.lm_head(feat)
         out.append(feat if features else logits)
         if j + 1 < steps:
-            # Shift: the step-(j+1) query at t consumes the token predicted for t + j + 2.
-            if feed_ids is not None:
-                nxt = feed_ids(j, logits)  # by position
-                nxt = nxt if slots is None else gather(nxt)
-            else:
-                if logits is None:
-                    with torch.no_grad():  # the argmax only: nothing of it is kept for backward
-                        top = head.lm_head(feat.detach()).argmax(-1)
-                else:
-                    top = logits.argmax(-1)
-                nxt = top + head.d2t[top]
-                nxt = nxt if slots is None or j > 0 else gather(nxt)
-            ids = nxt.detach()
+            ids = _shifted_ids(head, j, feat, logits, feed_ids, slots).detach()
             carry = head.carried(x)
-            hidden = carry if slots is None or j > 0 else gather(carry)
+            hidden = carry if slots is None or j > 0 else _at_slots(carry, slots)
     return out
+
+
+def _ttt_masks(b: int, t: int, steps: int, slots: torch.Tensor | None, segments: torch.Tensor | None,
+               dev: torch.device) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """Each step's attention mask over [step-0 keys, steps 1..j's keys], and where each packed
+    sequence starts ([B, T] bool; None unpacked). Without slots step j's is [(B, 1,) T, (j+1)T];
+    at ``slots`` [B, M] step 0 stays causal over T and step j >= 1's is [B, 1, M, T + jM]."""
+    causal = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
+    starts = None
+    if segments is not None:
+        causal = (causal & (segments[:, :, None] == segments[:, None, :]))[:, None]  # [B, 1, T, T]
+        starts = segments != torch.cat([segments.new_full((b, 1), -2), segments[:, :-1]], dim=1)
+    if slots is None:
+        diag = torch.eye(t, dtype=torch.bool, device=dev).expand(causal.shape)
+        return [torch.cat([causal] + [diag] * j, dim=-1) for j in range(steps)], starts  # [(B, 1,) T, (j+1)T]
+    m = slots.shape[1]
+    seen = (torch.arange(t, device=dev) <= slots[..., None])[:, None]  # [B, 1, M, T]
+    if segments is not None:
+        seen = seen & (segments.gather(1, slots)[..., None] == segments[:, None, :])[:, None]
+    diag = torch.eye(m, dtype=torch.bool, device=dev).expand(b, 1, m, m)
+    return [causal] + [torch.cat([seen] + [diag] * j, dim=-1) for j in range(1, steps)], starts
+
+
+def _at_slots(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """[B, T, ...] by position -> [B, M, ...] at the slots."""
+    return x.gather(1, slots if x.dim() == 2 else slots[..., None].expand(-1, -1, x.shape[-1]))
+
+
+def _shifted_ids(head, j: int, feat: torch.Tensor, logits: torch.Tensor | None, feed_ids,
+                 slots: torch.Tensor | None) -> torch.Tensor:
+    """The ids step j + 1 reads. Shift: the step-(j+1) query at t consumes the token predicted for
+    t + j + 2 (``feed_ids``' choice, or the draft's own argmax mapped to target ids)."""
+    if feed_ids is not None:
+        nxt = feed_ids(j, logits)  # by position
+        return nxt if slots is None else _at_slots(nxt, slots)
+    if logits is None:
+        with torch.no_grad():  # the argmax only: nothing of it is kept for backward
+            top = head.lm_head(feat.detach()).argmax(-1)
+    else:
+        top = logits.argmax(-1)
+    nxt = top + head.d2t[top]
+    return nxt if slots is None or j > 0 else _at_slots(nxt, slots)
 
 
 def init_from_target(target, aux_layer_ids: list[int] | None, draft_vocab: int | None,
@@ -440,7 +451,8 @@ def with_intermediate_size(head: Eagle3Head, intermediate_size: int, seed: int) 
     """The same head with an MLP of another width: fresh MLP weights, every other tensor kept.
 
     A narrower MLP makes every speculative step cheaper; on the CPU toy a 256-wide MLP learned as
-    well as the target's 768 and cut the drafter's share of a step (scripts/bench_pretrain.py).
+    well as the target's 768 and cut the drafter's share of a step (scripts/bench_pretrain.py at
+    commit 0b04f9e; docs/results.md, "Measured on a 2-core CPU").
     """
     if intermediate_size < 1:
         raise ValueError(f"intermediate_size must be >= 1, got {intermediate_size}")

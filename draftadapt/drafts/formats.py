@@ -281,6 +281,30 @@ def load_eagle3(draft_dir: str | Path, target_dir: str | Path | None = None) -> 
     _check_layer_supported(layer, draft_dir, (tfp or {}).get("max_position_embeddings"))
     sd = _read_weights(draft_dir)
     sd = {k.replace("midlayer.", "layers.0.", 1).removeprefix("model."): v for k, v in sd.items()}
+    cfg = _eagle3_config(config, layer, fmt, tfp, draft_dir)
+    _fill_embeddings(sd, cfg, draft_dir, target_dir)
+    head = Eagle3Head(cfg)
+    vt, vd = cfg.target_vocab_size, cfg.draft_vocab_size
+    if "d2t" not in sd:
+        sd["d2t"] = torch.zeros(vd, dtype=torch.int64)
+    if "t2d" not in sd:
+        t2d = torch.zeros(vt, dtype=torch.bool)
+        t2d[torch.arange(vd) + sd["d2t"]] = True
+        sd["t2d"] = t2d
+    expected = head.state_dict()
+    _check_weights(sd, expected, draft_dir)
+    head.load_state_dict({k: sd[k].to(expected[k].dtype) for k in expected})
+    head.embed_tokens.weight.requires_grad_(not cfg.share_embeddings)
+    check_vocab_map(head.d2t, head.t2d, vt, where=str(draft_dir))
+    if tfp is not None:
+        _check_head_fits(cfg, tfp, where=str(draft_dir))
+    return head
+
+
+def _eagle3_config(config: dict[str, Any], layer: dict[str, Any], fmt: str, tfp: dict[str, Any] | None,
+                   draft_dir: Path) -> Eagle3Config:
+    """The head's config from the draft's (``layer``: its decoder layer's), the target's fingerprint
+    ``tfp`` filling the aux layers and the vocabulary a foreign config leaves out."""
     eagle_config = config.get("eagle_config") or {}
     aux = config.get("eagle_aux_hidden_state_layer_ids") or eagle_config.get("eagle_aux_hidden_state_layer_ids")
     if not aux:
@@ -294,10 +318,9 @@ def load_eagle3(draft_dir: str | Path, target_dir: str | Path | None = None) -> 
     hidden = layer["hidden_size"]
     nh = layer["num_attention_heads"]
     vt = layer.get("vocab_size") or (tfp or {}).get("vocab_size")
-    vd = config.get("draft_vocab_size") or layer.get("draft_vocab_size") or vt
     rope = layer.get("rope_parameters") or {}
     theta = rope.get("rope_theta", layer.get("rope_theta", 10000.0))
-    cfg = Eagle3Config(
+    return Eagle3Config(
         hidden_size=hidden,
         intermediate_size=layer["intermediate_size"],
         num_attention_heads=nh,
@@ -305,7 +328,7 @@ def load_eagle3(draft_dir: str | Path, target_dir: str | Path | None = None) -> 
         head_dim=layer.get("head_dim") or hidden // nh,
         target_hidden_size=config.get("target_hidden_size") or layer.get("target_hidden_size") or hidden,
         target_vocab_size=vt,
-        draft_vocab_size=vd,
+        draft_vocab_size=config.get("draft_vocab_size") or layer.get("draft_vocab_size") or vt,
         aux_layer_ids=list(aux),
         max_position_embeddings=layer.get("max_position_embeddings", 2048),
         rope_theta=float(theta),
@@ -319,6 +342,12 @@ def load_eagle3(draft_dir: str | Path, target_dir: str | Path | None = None) -> 
         target_model_type=(tfp or {}).get("model_type") or "llama",
         target_num_layers=(tfp or {}).get("num_hidden_layers") or 0,
     )
+
+
+def _fill_embeddings(sd: dict[str, torch.Tensor], cfg: Eagle3Config, draft_dir: Path,
+                     target_dir: str | Path | None) -> None:
+    """A head without ``embed_tokens`` shares the target's: copy them in. Sets
+    ``cfg.share_embeddings``: also true for an own copy equal to the target's."""
     if "embed_tokens.weight" not in sd:
         if target_dir is None:
             raise DraftFormatError(
@@ -331,14 +360,10 @@ def load_eagle3(draft_dir: str | Path, target_dir: str | Path | None = None) -> 
         # an own copy identical to the target's is shared by vLLM all the same
         cfg.share_embeddings = target_dir is not None and torch.equal(
             sd["embed_tokens.weight"].float(), _target_embeddings(target_dir))
-    head = Eagle3Head(cfg)
-    if "d2t" not in sd:
-        sd["d2t"] = torch.zeros(vd, dtype=torch.int64)
-    if "t2d" not in sd:
-        t2d = torch.zeros(vt, dtype=torch.bool)
-        t2d[torch.arange(vd) + sd["d2t"]] = True
-        sd["t2d"] = t2d
-    expected = head.state_dict()
+
+
+def _check_weights(sd: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], draft_dir: Path) -> None:
+    """Refuse weights that do not match the head their config builds, naming every difference."""
     problems = []
     for name, ref in expected.items():
         if name not in sd:
@@ -350,12 +375,6 @@ def load_eagle3(draft_dir: str | Path, target_dir: str | Path | None = None) -> 
         problems.append(f"unexpected tensors {extra[:5]}")
     if problems:
         raise DraftFormatError(f"{draft_dir}: weights do not match its config: " + "; ".join(problems))
-    head.load_state_dict({k: sd[k].to(expected[k].dtype) for k in expected})
-    head.embed_tokens.weight.requires_grad_(not cfg.share_embeddings)
-    check_vocab_map(head.d2t, head.t2d, vt, where=str(draft_dir))
-    if tfp is not None:
-        _check_head_fits(cfg, tfp, where=str(draft_dir))
-    return head
 
 
 def _check_layer_supported(layer: dict[str, Any], draft_dir: Path, target_max: int | None) -> None:

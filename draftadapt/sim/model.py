@@ -407,90 +407,132 @@ def simulate_generation(
     Returns (train_start [steps], train_end [steps], done [steps]), done[j] being the
     replica's (busy seconds, tokens generated) when the sequences of step j were complete.
     """
-    steps = len(batches)
-    n = len(batches[0])
-    order = [(j, float(length)) for j, batch in enumerate(batches) for length in batch]
-    remaining = [len(batch) for batch in batches]
-    done_at: list[float | None] = [None] * steps
-    done: list[tuple[float, float]] = [(0.0, 0.0)] * steps
-    train_start: list[float] = []
-    train_end: list[float] = []
-    pauses: list[float] = []  # times at which a new policy version lands (generation pauses)
-    finished = 0
-
-    def eligible_at(i: int) -> float:
-        """When sequence i of ``order`` may start."""
-        if stream:
-            c = (i - (lag + 1) * n) // n  # the train step that must have taken its batch
-            if c < 0:
-                return 0.0
-            return train_start[c] if len(train_start) > c else math.inf
-        v = order[i][0] - lag  # the policy version batch j must be sampled from
-        if v <= 0:
-            return 0.0
-        return train_end[v - 1] + landing_s if len(train_end) >= v else math.inf
-
-    held_s = prepare_s if trainer_sends else 0.0  # broadcast time on the trainer's side
-    landing_s = prepare_s - held_s  # after a train step ends, until its version is usable
-    heap: list[tuple[float, float, int]] = []  # (finish progress, start progress, batch)
-    t = progress = busy = tokens = 0.0  # progress: steps taken by every running sequence so far
-    ctx_offset = 0.0  # sum over running sequences of (prompt - tau * start progress)
-    nxt = 0
+    sim = _Rollout(step_fn, tau, batches, prompt, cap, prefill_per_seq_s, train_side_s, prepare_s, lag,
+                   stream, trainer_sends)
     while True:
-        while pauses and pauses[0] <= t:
-            pauses.pop(0)
-            t += prepare_s
-        while len(heap) < cap and nxt < len(order) and eligible_at(nxt) <= t:
-            heapq.heappush(heap, (progress + order[nxt][1] / tau, progress, order[nxt][0]))
-            ctx_offset += prompt - tau * progress
-            t += prefill_per_seq_s
-            busy += prefill_per_seq_s
-            nxt += 1
-        wake = pauses[0] if pauses else math.inf
-        if len(heap) < cap and nxt < len(order):
-            wake = min(wake, eligible_at(nxt))
-        if not heap:
-            if nxt >= len(order):
+        sim.land_versions()
+        sim.admit()
+        wake = sim.wake()
+        if not sim.heap:
+            if sim.nxt >= len(sim.order):
                 break
             if math.isinf(wake):  # cannot happen: an idle replica has finished every batch
                 raise RuntimeError("rollout simulation stalled")
-            t = max(t, wake)
+            sim.t = max(sim.t, wake)
             continue
-        b = len(heap)
-        nxt_progress = heap[0][0]
-        ctx_mid = ctx_offset + b * tau * (progress + nxt_progress) / 2.0
-        dt = (nxt_progress - progress) * step_fn(b, ctx_mid)
-        if t < wake < t + dt:  # stop early: a version lands or a waiting sequence may start
-            advance = (nxt_progress - progress) * (wake - t) / dt
-            progress += advance
-            tokens += b * tau * advance
-            busy += wake - t
-            t = wake
+        if not sim.advance(wake):
             continue
-        t += dt
-        busy += dt
-        tokens += b * tau * (nxt_progress - progress)
-        progress = nxt_progress
-        while heap and heap[0][0] <= progress + 1e-9:
-            _, start, j = heapq.heappop(heap)
-            ctx_offset -= prompt - tau * start
-            finished += 1
-            if stream:
-                j, complete = finished // n - 1, finished % n == 0
+        sim.retire()
+        sim.start_train_steps()
+    return sim.train_start, sim.train_end, sim.done
+
+
+class _Rollout:
+    """simulate_generation's state, one method per step of its event loop: a version lands,
+    sequences are admitted, the running batch advances, finished sequences retire, the train
+    steps whose batches are complete start."""
+
+    def __init__(self, step_fn: Callable[[float, float], float], tau: float, batches: list[np.ndarray],
+                 prompt: float, cap: int, prefill_per_seq_s: float, train_side_s: float, prepare_s: float,
+                 lag: int, stream: bool, trainer_sends: bool):
+        self.step_fn, self.tau, self.prompt, self.cap, self.lag, self.stream = step_fn, tau, prompt, cap, lag, stream
+        self.prefill_per_seq_s, self.train_side_s, self.prepare_s = prefill_per_seq_s, train_side_s, prepare_s
+        self.steps = len(batches)
+        self.n = len(batches[0])
+        self.order = [(j, float(length)) for j, batch in enumerate(batches) for length in batch]
+        self.remaining = [len(batch) for batch in batches]
+        self.done_at: list[float | None] = [None] * self.steps
+        self.done: list[tuple[float, float]] = [(0.0, 0.0)] * self.steps
+        self.train_start: list[float] = []
+        self.train_end: list[float] = []
+        self.pauses: list[float] = []  # times at which a new policy version lands (generation pauses)
+        self.finished = 0
+        self.held_s = prepare_s if trainer_sends else 0.0  # broadcast time on the trainer's side
+        self.landing_s = prepare_s - self.held_s  # after a train step ends, until its version is usable
+        self.heap: list[tuple[float, float, int]] = []  # (finish progress, start progress, batch)
+        # progress: steps taken by every running sequence so far
+        self.t = self.progress = self.busy = self.tokens = 0.0
+        self.ctx_offset = 0.0  # sum over running sequences of (prompt - tau * start progress)
+        self.nxt = 0  # the next sequence of ``order`` to start
+
+    def eligible_at(self, i: int) -> float:
+        """When sequence i of ``order`` may start."""
+        if self.stream:
+            c = (i - (self.lag + 1) * self.n) // self.n  # the train step that must have taken its batch
+            if c < 0:
+                return 0.0
+            return self.train_start[c] if len(self.train_start) > c else math.inf
+        v = self.order[i][0] - self.lag  # the policy version batch j must be sampled from
+        if v <= 0:
+            return 0.0
+        return self.train_end[v - 1] + self.landing_s if len(self.train_end) >= v else math.inf
+
+    def land_versions(self) -> None:
+        """Each policy version that has landed by now pauses generation for its load."""
+        while self.pauses and self.pauses[0] <= self.t:
+            self.pauses.pop(0)
+            self.t += self.prepare_s
+
+    def admit(self) -> None:
+        """Start the next sequences while a slot is free and they may start (prefill each)."""
+        while len(self.heap) < self.cap and self.nxt < len(self.order) and self.eligible_at(self.nxt) <= self.t:
+            j, length = self.order[self.nxt]
+            heapq.heappush(self.heap, (self.progress + length / self.tau, self.progress, j))
+            self.ctx_offset += self.prompt - self.tau * self.progress
+            self.t += self.prefill_per_seq_s
+            self.busy += self.prefill_per_seq_s
+            self.nxt += 1
+
+    def wake(self) -> float:
+        """The next time the loop must look again: a version lands or a waiting sequence may start."""
+        wake = self.pauses[0] if self.pauses else math.inf
+        if len(self.heap) < self.cap and self.nxt < len(self.order):
+            wake = min(wake, self.eligible_at(self.nxt))
+        return wake
+
+    def advance(self, wake: float) -> bool:
+        """Run the batch to its next finishing sequence (True), or stop early at ``wake`` (False)."""
+        b = len(self.heap)
+        nxt_progress = self.heap[0][0]
+        ctx_mid = self.ctx_offset + b * self.tau * (self.progress + nxt_progress) / 2.0
+        dt = (nxt_progress - self.progress) * self.step_fn(b, ctx_mid)
+        if self.t < wake < self.t + dt:
+            partial = (nxt_progress - self.progress) * (wake - self.t) / dt
+            self.progress += partial
+            self.tokens += b * self.tau * partial
+            self.busy += wake - self.t
+            self.t = wake
+            return False
+        self.t += dt
+        self.busy += dt
+        self.tokens += b * self.tau * (nxt_progress - self.progress)
+        self.progress = nxt_progress
+        return True
+
+    def retire(self) -> None:
+        """Take the finished sequences out; a batch complete records (busy, tokens) at its time."""
+        while self.heap and self.heap[0][0] <= self.progress + 1e-9:
+            _, start, j = heapq.heappop(self.heap)
+            self.ctx_offset -= self.prompt - self.tau * start
+            self.finished += 1
+            if self.stream:
+                j, complete = self.finished // self.n - 1, self.finished % self.n == 0
             else:
-                remaining[j] -= 1
-                complete = remaining[j] == 0
+                self.remaining[j] -= 1
+                complete = self.remaining[j] == 0
             if complete:
-                done_at[j] = t
-                done[j] = (busy, tokens)
-        while len(train_end) < steps and done_at[len(train_end)] is not None:
-            j = len(train_end)
-            start = max(done_at[j], train_end[-1] if train_end else 0.0)
-            train_start.append(start)
-            train_end.append(start + train_side_s + held_s)
-            if j + 1 < steps:
-                pauses.append(train_end[-1] - held_s)
-    return train_start, train_end, done
+                self.done_at[j] = self.t
+                self.done[j] = (self.busy, self.tokens)
+
+    def start_train_steps(self) -> None:
+        """Each train step starts when its batch is complete and the step before it has ended."""
+        while len(self.train_end) < self.steps and self.done_at[len(self.train_end)] is not None:
+            j = len(self.train_end)
+            start = max(self.done_at[j], self.train_end[-1] if self.train_end else 0.0)
+            self.train_start.append(start)
+            self.train_end.append(start + self.train_side_s + self.held_s)
+            if j + 1 < self.steps:
+                self.pauses.append(self.train_end[-1] - self.held_s)
 
 
 def _pipeline(cfg: SimConfig, mode: str, tau: float, spec: bool, train_side_s: float,

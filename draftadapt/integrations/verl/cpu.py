@@ -108,98 +108,104 @@ class _CpuDeviceModule(ModuleType):
         return None
 
 
+class _CpuPlatform:
+    """Every rank on the host CPU; collectives over gloo; Ray's "GPU" resource as the slot count
+    (verl's resource pools insist on GPUs: declare logical ones, ``ray_init.num_gpus``): verl's
+    ``PlatformBase`` methods, which :func:`_platform_class` puts on that base."""
+
+    _module: ModuleType | None = None
+
+    @property
+    def device_name(self) -> str:
+        return "cpu"
+
+    @property
+    def vendor_name(self) -> str:
+        return "cpu"
+
+    @property
+    def device_module(self) -> ModuleType:
+        if _CpuPlatform._module is None:
+            _CpuPlatform._module = _CpuDeviceModule()
+        return _CpuPlatform._module
+
+    def is_available(self) -> bool:
+        return True
+
+    def is_platform_available(self, use_smi_check: bool = False) -> bool:
+        return enabled()  # never auto-detected: a GPU machine with this plugin stays on CUDA
+
+    def current_device(self):
+        # verl moves modules with .to(device=get_device_id()); an int means an accelerator
+        import torch
+
+        return torch.device("cpu")
+
+    def device_count(self) -> int:
+        return 1
+
+    def set_device(self, device_index: int) -> None:
+        return None
+
+    def synchronize(self, device_index: int | None = None) -> None:
+        return None
+
+    def manual_seed(self, seed: int) -> None:
+        import torch
+
+        torch.manual_seed(seed)
+
+    def manual_seed_all(self, seed: int) -> None:
+        self.manual_seed(seed)
+
+    def set_allocator_settings(self, settings: str) -> None:
+        return None
+
+    def empty_cache(self) -> None:
+        return None
+
+    def get_device_capability(self, device_index: int = 0):
+        return None, None
+
+    def communication_backend_name(self) -> str:
+        return "gloo"
+
+    def visible_devices_envvar(self) -> str:
+        return "CUDA_VISIBLE_DEVICES"  # Ray sets it for "GPU" slots; harmless on a CPU
+
+    @contextmanager
+    def nvtx_range(self, msg: str):
+        yield
+
+    def profiler_start(self) -> None:
+        return None
+
+    def profiler_stop(self) -> None:
+        return None
+
+    def ray_resource_name(self) -> str:
+        return "GPU"
+
+    def ray_noset_envvars(self) -> list[str]:
+        return []
+
+    def is_ipc_supported(self) -> bool:
+        return False  # weight sync falls back to shared memory (verl's bucketed transfer)
+
+    def rollout_env_vars(self) -> dict[str, str]:
+        return {"VLLM_TARGET_DEVICE": "cpu"}
+
+    def cudart(self):
+        return None
+
+
 def _platform_class():
+    """The platform class verl's registry takes: :class:`_CpuPlatform` on verl's ``PlatformBase``
+    (imported when the platform is registered, not when this module is read)."""
     from verl.plugin.platform.platform_base import PlatformBase
-    from verl.plugin.platform.platform_manager import PlatformRegistry
 
-    class PlatformCPU(PlatformBase):
-        """Every rank on the host CPU; collectives over gloo; Ray's "GPU" resource as the slot count
-        (verl's resource pools insist on GPUs: declare logical ones, ``ray_init.num_gpus``)."""
-
-        _module: ModuleType | None = None
-
-        @property
-        def device_name(self) -> str:
-            return "cpu"
-
-        @property
-        def vendor_name(self) -> str:
-            return "cpu"
-
-        @property
-        def device_module(self) -> ModuleType:
-            if PlatformCPU._module is None:
-                PlatformCPU._module = _CpuDeviceModule()
-            return PlatformCPU._module
-
-        def is_available(self) -> bool:
-            return True
-
-        def is_platform_available(self, use_smi_check: bool = False) -> bool:
-            return enabled()  # never auto-detected: a GPU machine with this plugin stays on CUDA
-
-        def current_device(self):
-            # verl moves modules with .to(device=get_device_id()); an int means an accelerator
-            import torch
-
-            return torch.device("cpu")
-
-        def device_count(self) -> int:
-            return 1
-
-        def set_device(self, device_index: int) -> None:
-            return None
-
-        def synchronize(self, device_index: int | None = None) -> None:
-            return None
-
-        def manual_seed(self, seed: int) -> None:
-            import torch
-
-            torch.manual_seed(seed)
-
-        def manual_seed_all(self, seed: int) -> None:
-            self.manual_seed(seed)
-
-        def set_allocator_settings(self, settings: str) -> None:
-            return None
-
-        def empty_cache(self) -> None:
-            return None
-
-        def get_device_capability(self, device_index: int = 0):
-            return None, None
-
-        def communication_backend_name(self) -> str:
-            return "gloo"
-
-        def visible_devices_envvar(self) -> str:
-            return "CUDA_VISIBLE_DEVICES"  # Ray sets it for "GPU" slots; harmless on a CPU
-
-        @contextmanager
-        def nvtx_range(self, msg: str):
-            yield
-
-        def profiler_start(self) -> None:
-            return None
-
-        def profiler_stop(self) -> None:
-            return None
-
-        def ray_resource_name(self) -> str:
-            return "GPU"
-
-        def ray_noset_envvars(self) -> list[str]:
-            return []
-
-        def is_ipc_supported(self) -> bool:
-            return False  # weight sync falls back to shared memory (verl's bucketed transfer)
-
-        def rollout_env_vars(self) -> dict[str, str]:
-            return {"VLLM_TARGET_DEVICE": "cpu"}
-
-        def cudart(self):
-            return None
+    class PlatformCPU(_CpuPlatform, PlatformBase):
+        __doc__ = _CpuPlatform.__doc__
 
     return PlatformCPU
 
