@@ -22,7 +22,9 @@ pytestmark = pytest.mark.integration
 def test_demo_smoke(toy_target, tmp_path):
     draft = init_draft(toy_target, "eagle3", tmp_path / "draft0", seed=0)
     out = tmp_path / "demo"
-    common = ["--steps", "3", "--toy", str(toy_target), f"draft={draft}", "grpo.prompts_per_step=4",
+    # k_policy=fixed: this untrained head pays at no k, and online k would step aside (the online
+    # table and stepping aside are test_demo_online_k_and_the_ngram_arm's)
+    common = ["--steps", "3", "--toy", str(toy_target), f"draft={draft}", "k_policy=fixed", "grpo.prompts_per_step=4",
               "grpo.group_size=4", "eval.prompts=8", "grpo.max_tokens=64", "eval.max_tokens=64"]
     # the baseline a user has today: the same RL loop, no speculation, no draftadapt
     base = tmp_path / "baseline"
@@ -227,3 +229,12 @@ def test_demo_online_k_and_the_ngram_arm(toy_target, tmp_path):
     ks = [r for r in rows if "k/b1" in r]
     assert len(ks) == 2 and all(0 <= r["k/b1"] <= 5 and 0 <= r["k/b8"] <= 5 for r in ks)
     assert all(r["accept/ngram_length"] >= 1.0 for r in rows if "accept/ngram_length" in r)
+    # Stepping aside: this untrained head (acceptance ~1.02) pays at no batch size, so the table
+    # drafts nowhere and the drafter idles; the adapter trains nothing nobody serves and scores
+    # the draft it would serve on the step's rollouts instead (online_k.step_aside, the default).
+    assert all(t == "1-8:0" for t in ok["k_table_per_step"]), ok["k_table_per_step"]
+    paused = [r for r in rows if r.get("adapt/paused") == 1.0]
+    assert len(paused) == 2 and not any(r.get("adapt/trained") for r in rows), rows
+    for r in paused:
+        assert 1.0 <= r["accept/simulated_live"] < 1.2 and r["k/idle_simulated_length"] == r["accept/simulated_live"], r
+        assert r["k/resumed"] == 0.0, r

@@ -30,7 +30,7 @@ def smollm2_demo(smollm2_model, tmp_path_factory):
     draft = init_draft(smollm2_model, "eagle3", tmp / "draft0", seed=0, draft_vocab=DRAFT_VOCAB)
     out = tmp / "demo"
     cmd = [sys.executable, "-m", "draftadapt.cli", "demo", "--out", str(out), "world=smollm2",
-           "--target", str(smollm2_model), f"draft={draft}", "--steps", "2", "grpo.prompts_per_step=2",
+           "--target", str(smollm2_model), f"draft={draft}", "--steps", "2", "k_policy=fixed", "grpo.prompts_per_step=2",
            "grpo.group_size=4", "grpo.max_tokens=48", "eval.prompts=4", "eval.max_tokens=32", "fresh_final=false",
            "rl_batch_arms=false", "adapter.schedule.every_n_steps=1", "adapter.schedule.train_steps=2",
            "adapter.train.batch_size=4", "adapter.schedule.max_train_steps=0", "adapter.schedule.max_share=0",

@@ -25,7 +25,7 @@ def test_async_versions_every_step(toy_target, tmp_path, lag):
     out = tmp_path / "demo"
     steps = 5
     proc = run_demo(["--out", str(out), "--steps", str(steps), "--toy", str(toy_target), f"draft={draft}",
-                     f"async_lag={lag}", "grpo.prompts_per_step=4", "grpo.group_size=4",
+                     f"async_lag={lag}", "k_policy=fixed", "grpo.prompts_per_step=4", "grpo.group_size=4",
                      "grpo.max_tokens=48", "fresh_final=false", "rl_batch_arms=false",
                      # the eval arms are measured every step but not checked here: the fewest tokens
                      "eval.prompts=4", "eval.max_tokens=16",

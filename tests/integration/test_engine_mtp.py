@@ -239,7 +239,7 @@ def test_demo_adapts_the_targets_own_mtp_layers(mtp_target, tmp_path):
     from .test_async import run_demo
 
     out = tmp_path / "demo"
-    proc = run_demo(["--out", str(out), "--steps", "2", "--toy", str(mtp_target), "method=mtp", "initial_draft=own",
+    proc = run_demo(["--out", str(out), "--steps", "2", "--toy", str(mtp_target), "method=mtp", "initial_draft=own", "k_policy=fixed",
                      "grpo.prompts_per_step=4", "grpo.group_size=4", "eval.prompts=8", "grpo.max_tokens=48",
                      "eval.max_tokens=48", "fresh_final=false", "rl_batch_arms=false",
                      "adapter.schedule.every_n_steps=1", "adapter.schedule.train_steps=2",
