@@ -121,8 +121,12 @@ def reward_funcs(cfg: TRLToyConfig, world):
 def make_trainer(cfg: TRLToyConfig, world, target: Path, out_dir: Path, steps: int, rollout_func=None, callbacks=()):
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import GRPOConfig, GRPOTrainer
 
+    from draftadapt.integrations import import_framework
+
+    # without TRL's VLLM_LOGGING_LEVEL=ERROR, which would silence the rollout engine's warnings
+    trl = import_framework("trl")
+    GRPOConfig, GRPOTrainer = trl.GRPOConfig, trl.GRPOTrainer
     n = cfg.prompts_per_step * cfg.group_size
     if n % cfg.micro_batch:
         raise ConfigError(f"prompts_per_step x group_size = {n} is not a multiple of micro_batch {cfg.micro_batch}")

@@ -20,6 +20,88 @@ CACHE = Path(os.environ.get("DRAFTADAPT_TEST_CACHE", REPO / ".cache" / "tests"))
 # takes ~92% of RAM and the next one cannot start (docs/design.md, "Starting engines").
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
+# ---- process state: no test may leave the interpreter different for the tests after it
+
+# Environment variables that change how a later test computes or what it logs: thread pools,
+# oneDNN's math mode, vLLM's logging (TRL's import sets VLLM_LOGGING_LEVEL=ERROR when unset).
+WATCHED_ENV = ("VLLM_LOGGING_LEVEL", "VLLM_CONFIGURE_LOGGING", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+WATCHED_ENV_PREFIXES = ("DNNL_", "ONEDNN_", "KMP_")
+
+
+def process_state() -> dict:
+    """What one test can leave behind that changes another's figures or logs: torch's numerics
+    switches and thread count, the watched environment, and the logging state of vLLM's loggers."""
+    import logging
+
+    import torch
+
+    state = {
+        "torch.threads": torch.get_num_threads(),
+        "torch.default_dtype": str(torch.get_default_dtype()),
+        "torch.grad_enabled": torch.is_grad_enabled(),
+        "torch.deterministic": torch.are_deterministic_algorithms_enabled(),
+        "torch.float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "torch.mkldnn.enabled": torch.backends.mkldnn.enabled,
+        "torch.mkldnn.matmul.fp32_precision": torch.backends.mkldnn.matmul.fp32_precision,
+        "torch.autocast_cpu": torch.is_autocast_enabled("cpu"),
+    }
+    state.update({f"env.{k}": v for k, v in os.environ.items()
+                  if k in WATCHED_ENV or k.startswith(WATCHED_ENV_PREFIXES)})
+    for name, logger in logging.Logger.manager.loggerDict.items():
+        if isinstance(logger, logging.Logger) and (name == "vllm" or name.startswith("vllm.")):
+            if logger.disabled or logger.level:
+                state[f"logger.{name}"] = (logger.disabled, logger.level)
+    state["logger.root"] = logging.getLogger().level
+    state["logging.disable"] = logging.root.manager.disable
+    return state
+
+
+def _pin_process_state() -> None:
+    """State a first vLLM engine would set in this process, set before any test: a test then sees
+    the same process whatever ran before it. vLLM's worker sets torch's float32 matmul precision
+    (VLLM_FLOAT32_MATMUL_PRECISION, "highest"), which moves oneDNN's fp32 mode from "none" to "ieee"."""
+    import torch
+
+    torch.set_float32_matmul_precision("highest")
+
+
+_pin_process_state()
+
+
+@pytest.fixture(autouse=True)
+def no_process_state_leak(request):
+    """Fail the test that changed the process state (process_state) and put it back, so the
+    tests after it run as they would alone."""
+    before = process_state()
+    yield
+    after = process_state()
+    changed = {k: (before.get(k), after.get(k)) for k in set(before) | set(after) if before.get(k) != after.get(k)}
+    if changed:
+        _restore(before, after)
+        pytest.fail(f"{request.node.nodeid} left the process changed (before, after): {changed}", pytrace=False)
+
+
+def _restore(before: dict, after: dict) -> None:
+    import logging
+
+    import torch
+
+    torch.set_num_threads(before["torch.threads"])
+    torch.set_float32_matmul_precision(before["torch.float32_matmul_precision"])
+    torch.backends.mkldnn.matmul.fp32_precision = before["torch.mkldnn.matmul.fp32_precision"]
+    for key in set(before) | set(after):
+        if key.startswith("env."):
+            name = key[4:]
+            if key in before:
+                os.environ[name] = before[key]
+            else:
+                os.environ.pop(name, None)
+        elif key.startswith("logger.") and key != "logger.root":
+            disabled, level = before.get(key, (False, 0))
+            logger = logging.getLogger(key[7:])
+            logger.disabled, logger.level = disabled, level
+    logging.disable(before["logging.disable"])
+
 
 # toy/world.py hands the built toy to the RL loop (draftadapt/rl/), it builds nothing: editing it
 # rebuilds no cached target

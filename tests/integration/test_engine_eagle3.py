@@ -260,12 +260,10 @@ def test_reload_warns_only_for_modules_that_should_have_loaded(engine, drafts, t
     log = logging.getLogger(worker_ext.RELOAD_LOGGER)
     seen = _Lines()
     log.addHandler(seen)
-    # what this process's earlier tests left of the logging state (a library's dictConfig disables
-    # the loggers that exist when it runs; a level set on "vllm" silences its warnings): the lines
-    # must reach the handler for the empty list below to mean anything
-    state = (log.disabled, log.level)
-    log.disabled = False
-    log.setLevel(logging.WARNING)
+    # the lines must reach the handler for the empty list below to mean anything: no earlier test
+    # may leave vLLM's loggers silenced (tests/conftest.py checks after every test; it was
+    # VLLM_LOGGING_LEVEL=ERROR from TRL's import, draftadapt/integrations/__init__.py)
+    assert not log.disabled and log.getEffectiveLevel() <= logging.WARNING, (log.disabled, log.getEffectiveLevel())
     try:
         engine.swap_draft(drafts["v1"])
         engine.update_policy(original)
@@ -282,8 +280,6 @@ def test_reload_warns_only_for_modules_that_should_have_loaded(engine, drafts, t
         engine.update_policy(partial)
     finally:
         log.removeHandler(seen)
-        log.disabled, _ = state
-        log.setLevel(state[1])
         engine.swap_draft(drafts["v0"])
         engine.update_policy(original)
     assert quiet == []

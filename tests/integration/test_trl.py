@@ -31,9 +31,11 @@ def test_engine_logprobs_match_trls_recomputed_logprobs_with_speculation_on(toy_
                                                                             temperature):
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import GRPOConfig, GRPOTrainer
-
     from draftadapt.adapter import DraftAdapter
+    from draftadapt.integrations import import_framework
+
+    trl = import_framework("trl")  # without its import's VLLM_LOGGING_LEVEL=ERROR for the tests after this one
+    GRPOConfig, GRPOTrainer = trl.GRPOConfig, trl.GRPOTrainer
     from draftadapt.integrations.trl import SpeculativeRollouts
     from draftadapt.toy.task import load_heldout
 

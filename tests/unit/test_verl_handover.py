@@ -4,6 +4,8 @@ adapter's policy copy with no weights sent. The real runs are tests/integration/
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 from torch import nn
@@ -144,7 +146,8 @@ print("verl")
 
 
 def test_each_platform_takes_its_sync_path_in_verl_s_extension():
-    pytest.importorskip("verl")
+    if importlib.util.find_spec("verl") is None:  # found, not imported (tests/integration/test_verl.py says why)
+        pytest.skip("verl is installed by scripts/setup.sh")
     import os
     import subprocess
     import sys

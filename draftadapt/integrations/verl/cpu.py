@@ -282,8 +282,10 @@ def _alias_vllm() -> None:
 
 
 def _trl_value_head() -> None:
+    from draftadapt.integrations import import_framework
+
     try:
-        import trl
+        trl = import_framework("trl")
     except ImportError:
         return
     if hasattr(trl, "AutoModelForCausalLMWithValueHead"):
