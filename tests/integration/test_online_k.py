@@ -92,3 +92,25 @@ def test_online_k_calibrates_on_the_engine_and_writes_its_choice(table_engine, t
     assert engine.k_schedule == online.choose()
     assert metrics["k/b1"] == k_at(engine.k_schedule, 1) and metrics["k/b4"] == k_at(engine.k_schedule, 4)
     assert 0 <= metrics["k/rate_pos_0"] <= 1 and metrics["k/changed"] in (0.0, 1.0)
+
+
+def test_stepping_aside_idles_the_drafter_until_the_simulated_length_pays(table_engine, toy_target):
+    """Where no k pays (a margin no draft can beat stands in for a draft that pays nowhere) the
+    table drafts at no batch size and the engine's drafter idles: no draft, no pass, the target's
+    own output. While idle, a simulated length that pays turns drafting back on."""
+    engine = table_engine
+    engine.set_k_schedule([(1, 64, 3)])
+    prompts = toy_prompts(toy_target, 4)
+    online = OnlineK.calibrate(engine, prompts, OnlineKConfig(batch_sizes=[1, 4], calibrate_tokens=8, repeats=1,
+                                                              margin=10.0))
+    assert online.step_aside and engine.k_schedule == [(1, 64, 0)] and engine.drafter_idle
+    before = engine.drafter_idle_steps()
+    res = engine.generate(prompts, temperature=0.0, max_tokens=16)
+    assert res.acceptance.drafts == 0 and engine.drafter_idle_steps() - before >= 16
+    assert online.simulated(engine, 1.0, 3)["k/resumed"] == 0.0 and engine.drafter_idle  # still nothing pays
+    online.margin = 0.0
+    m = online.simulated(engine, 3.9, 3)  # the draft it would serve accepts nearly every token
+    assert m["k/resumed"] == 1.0 and not engine.drafter_idle and k_at(engine.k_schedule, 1) >= 1
+    res = engine.generate(prompts, temperature=0.0, max_tokens=16)
+    assert res.acceptance.drafts > 0
+    engine.set_k_schedule([(1, 64, 3)])
