@@ -113,7 +113,7 @@ class ValidateConfig:
     # frozen one by more than guard_margin (a fraction), the frozen draft is published and
     # swapped back in (docs/design.md, "Keep the better draft").
     guard: bool = True
-    guard_margin: float = 0.03
+    guard_margin: float = 0.03  # how far (a fraction) the served draft may fall below the frozen one before it goes back
 
     def validate(self) -> None:
         if not 0 <= self.margin < 1 or not 0 < self.heldout_fraction < 1:

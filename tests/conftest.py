@@ -14,7 +14,12 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-CACHE = Path(os.environ.get("DRAFTADAPT_TEST_CACHE", REPO / ".cache" / "tests"))
+# Built worlds (the toy targets, SmolLM2's conversion) are kept per user, not per clone: a build is
+# a function of its sources, the torch version and the CPU's bf16 support (a toy seed builds
+# slightly different weights with or without it), all in its key, so a second clone's suite
+# reuses them (~8 of a cold run's minutes). DRAFTADAPT_TEST_CACHE=DIR puts them elsewhere.
+CACHE = Path(os.environ.get("DRAFTADAPT_TEST_CACHE")
+             or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "draftadapt" / "tests")
 
 # Every vLLM engine in the tests reserves a small, fixed KV cache: otherwise the first engine
 # takes ~92% of RAM and the next one cannot start (docs/design.md, "Starting engines").
@@ -108,8 +113,23 @@ def _restore(before: dict, after: dict) -> None:
 NOT_BUILT_FROM = {"world.py"}
 
 
+def _machine_key() -> bytes:
+    """What besides the sources decides a build's weights: torch's version and bf16 on the CPU."""
+    import torch
+
+    return f"torch={torch.__version__};bf16={torch.backends.mkldnn.is_available() and _cpu_bf16()}".encode()
+
+
+def _cpu_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def _source_hash(*dirs: Path) -> str:
-    h = hashlib.sha256()
+    h = hashlib.sha256(_machine_key())
     for d in dirs:
         for f in sorted(f for f in d.rglob("*.py") if f.name not in NOT_BUILT_FROM):
             h.update(f.name.encode())

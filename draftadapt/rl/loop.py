@@ -229,8 +229,16 @@ def sync_step(r: Run, boundary: StepBoundary, step: int) -> tuple[dict, list[dic
     row: dict = {"step": step}
     problems, sampling = draw_batch(r)
     boundary.before_generate()  # background rounds: the previous step's round runs beside this generation
+    engine = r.engine
+    if r.online_k is not None and r.spec_engine.drafter_idle:
+        # no batch size drafts: the undrafted engine generates (it holds the current policy: the
+        # no-speculation arm's), which costs a plain step; a speculative engine at k = 0, even
+        # with its drafter idle, measured 1.10-1.15x a plain one at 8-32 sequences on SmolLM2
+        # (docs/design.md, "Stepping aside")
+        engine = r.plain
+        row["k/undrafted_path"] = 1.0
     t0 = time.perf_counter()
-    gen = r.engine.generate([p["prompt"] for p in problems], **sampling)
+    gen = engine.generate([p["prompt"] for p in problems], **sampling)
     row["stage/gen_s"] = row["stage/exposed_gen_s"] = time.perf_counter() - t0
     row["tps/rl_batch"] = gen.tokens_per_s
     # the engine's counters for the live draft on the RL batch itself: free, and what feeds the
@@ -254,7 +262,7 @@ def sync_step(r: Run, boundary: StepBoundary, step: int) -> tuple[dict, list[dic
         row.update(b.metrics)
         if b.swap is not None:
             seed_online_k(r, r.spec_engine, b.swap, row)
-        elif boundary.paused and "accept/simulated_live" in b.metrics:  # what says a draft pays again
+        if boundary.paused and "accept/simulated_live" in b.metrics:  # what says a draft pays again
             row.update(r.online_k.simulated(r.spec_engine, b.metrics["accept/simulated_live"], r.adapter.cfg.k))
             row["k/schedule"] = schedule_text(r.spec_engine.k_schedule)
         row["stage/adapt_s"] = b.adapter_s + handover_s

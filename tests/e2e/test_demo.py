@@ -229,3 +229,30 @@ def test_demo_online_k_and_the_ngram_arm(toy_target, tmp_path):
     ks = [r for r in rows if "k/b1" in r]
     assert len(ks) == 2 and all(0 <= r["k/b1"] <= 5 and 0 <= r["k/b8"] <= 5 for r in ks)
     assert all(r["accept/ngram_length"] >= 1.0 for r in rows if "accept/ngram_length" in r)
+
+
+def test_demo_steps_aside_where_no_k_pays(toy_target, tmp_path):
+    """k_policy=auto (online, the default) where no k pays (a margin no draft can beat stands in
+    for a draft that pays at no batch size): the table drafts nowhere, the RL batch is generated
+    by the undrafted engine, and the adapter trains nothing while it scores the draft it would
+    serve on each step's rollouts (docs/design.md, "Stepping aside")."""
+    draft = init_draft(toy_target, "eagle3", tmp_path / "draft0", seed=0)
+    out = tmp_path / "demo"
+    cmd = [sys.executable, "-m", "draftadapt.cli", "demo", "--out", str(out), "--steps", "2", "--toy", str(toy_target),
+           f"draft={draft}", "grpo.prompts_per_step=4", "grpo.group_size=4", "eval.prompts=4", "grpo.max_tokens=32",
+           "eval.max_tokens=16", "fresh_final=false", "rl_batch_arms=false", "max_num_seqs=16",
+           "online_k.batch_sizes=[1,16]", "online_k.calibrate_tokens=8", "online_k.repeats=1", "online_k.margin=10",
+           "adapter.schedule.every_n_steps=1", "adapter.schedule.min_sequences=8"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "[demo] online k: step costs measured in" in proc.stdout
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "stage/rl_step_s" in r]
+    assert len(steps) == 2
+    assert json.loads((out / "summary.json").read_text())["online_k"]["k_table_per_step"] == ["1-16:0"] * 2
+    for r in steps:
+        assert r["k/b1"] == r["k/b16"] == 0.0 and r["k/undrafted_path"] == 1.0, r
+        assert r["adapt/paused"] == 1.0 and not r.get("adapt/trained"), r
+        assert 1.0 <= r["accept/simulated_live"] < 1.2 and r["k/idle_simulated_length"] == r["accept/simulated_live"], r
+        assert r["k/resumed"] == 0.0 and "accept/rl_batch_length" not in r, r  # nothing drafted on the RL batch
+    assert not (out / "drafts" / "v1").exists()  # no round ran, so nothing was published past the first draft

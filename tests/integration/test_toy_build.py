@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from draftadapt.toy import task
+
+pytestmark = pytest.mark.integration  # builds (or reuses) the toy world
 
 
 def test_build_reports_partial_accuracy(toy_target):

@@ -1,0 +1,28 @@
+"""The README's test commands: `bash scripts/test.sh` passes pytest arguments through, and the
+contributors' fast line, `-m "not integration and not slow"`, selects by marker (here narrowed
+with -k to one small module, not the whole unit suite)."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+FAST = ["-m", "not integration and not slow"]
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "scripts/test.sh", *FAST, "-q", "-p", "no:cacheprovider", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_the_fast_line_passes_its_arguments_to_pytest():
+    done = run("-k", "test_threads")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "setup: .venv is up to date" in done.stdout + done.stderr
+    assert "\n3 passed" in done.stdout, done.stdout[-2000:]
+    # an integration module and a slow one are left out by the markers alone
+    out = run("-k", "test_trainer_dist or test_online_k", "--co")
+    listed = out.stdout
+    assert "tests/unit/test_online_k.py::" in listed and "tests/integration/test_online_k.py::" not in listed, listed[-2000:]
+    assert "test_trainer_dist.py::" not in listed, listed[-2000:]
