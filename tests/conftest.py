@@ -65,9 +65,14 @@ def _pin_process_state() -> None:
     """State a first vLLM engine would set in this process, set before any test: a test then sees
     the same process whatever ran before it. vLLM's worker sets torch's float32 matmul precision
     (VLLM_FLOAT32_MATMUL_PRECISION, "highest"), which moves oneDNN's fp32 mode from "none" to "ieee"."""
+    import logging
+
     import torch
 
     torch.set_float32_matmul_precision("highest")
+    # and the "vllm" logger's level, from VLLM_LOGGING_LEVEL (vLLM's configure_logging at its
+    # first engine start; seen as a change after the suite's first in-process engine)
+    logging.getLogger("vllm").setLevel(os.environ.get("VLLM_LOGGING_LEVEL", "INFO").upper())
 
 
 _pin_process_state()
