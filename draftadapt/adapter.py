@@ -657,10 +657,9 @@ class DraftAdapter:
         ``guard/*`` (docs/design.md, "Keep the better draft")."""
         if not self.cfg.validation.guard or self._serving_frozen:
             return {}
-        heldout = self.replay.heldout()
-        if not heldout:
+        held = self._newest_heldout()
+        if held is None:
             return {}
-        held = self.targets.batches(heldout, self.cfg.train.batch_size)
         served = self.score(self.live_draft(), held)
         self.method.refresh_shared(self._frozen, self.policy)
         frozen = self.score(self._frozen, held)
@@ -806,10 +805,14 @@ class DraftAdapter:
         forward); None before any rollout. What a paused adapter (no engine drafts) reports
         instead of training (StepBoundary.paused)."""
         self._wait_round()
-        held = self.replay.heldout()
-        if not held:
-            return None
-        return self.score(self.live_draft(), self.targets.batches(held, self.cfg.train.batch_size))
+        held = self._newest_heldout()
+        return None if held is None else self.score(self.live_draft(), held)
+
+    def _newest_heldout(self) -> list[CapturedBatch] | None:
+        """The newest rollouts' held-out share as captured batches (None before any rollout):
+        what the guard and simulate_live score drafts on."""
+        heldout = self.replay.heldout()
+        return self.targets.batches(heldout, self.cfg.train.batch_size) if heldout else None
 
     def simulated_length(self, version: int) -> float | None:
         """The acceptance length at ``cfg.k`` this adapter simulated on held-out rollouts for the
