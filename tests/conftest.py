@@ -24,6 +24,9 @@ CACHE = Path(os.environ.get("DRAFTADAPT_TEST_CACHE")
 # Every vLLM engine in the tests reserves a small, fixed KV cache: otherwise the first engine
 # takes ~92% of RAM and the next one cannot start (docs/design.md, "Starting engines").
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# Idle OpenMP threads sleep rather than spin: scripts/test.sh runs two workers on the machine's
+# cores, and a spinning thread pool in one took a core from the other (docs/design.md, "The suite")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # ---- process state: no test may leave the interpreter different for the tests after it
 
@@ -151,13 +154,35 @@ def _source_hash(*dirs: Path) -> str:
 
 
 def cached_build(name: str, build, *source_dirs: Path) -> Path:
-    """Build into CACHE/name-<hash of sources> once; a complete build has a .done marker."""
+    """Build into CACHE/name-<hash of sources> once; a complete build has a .done marker. A lock
+    beside it makes a second worker (or a second clone's suite) wait for the build, not repeat it."""
+    import fcntl
+
     out = CACHE / f"{name}-{_source_hash(*source_dirs)}"
-    if not (out / ".done").is_file():
-        out.mkdir(parents=True, exist_ok=True)
-        build(out)
-        (out / ".done").write_text("ok\n")
+    if (out / ".done").is_file():
+        return out
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with open(CACHE / f"{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / ".done").is_file():
+            if out.exists():  # an interrupted build: start it again from nothing
+                import shutil
+
+                shutil.rmtree(out)
+            out.mkdir(parents=True)
+            build(out)
+            (out / ".done").write_text("ok\n")
     return out
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Under `--dist loadgroup` (scripts/test.sh) a worker takes a whole module: its module-scoped
+    engines start once. Tests that start a local Ray cluster carry xdist_group("ray") and run
+    one after another on one worker."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
 
 
 @pytest.fixture(scope="session")
