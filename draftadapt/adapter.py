@@ -30,6 +30,7 @@ import logging
 import math
 import random
 import time
+import weakref
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -80,6 +81,16 @@ class ScheduleConfig:
     # ahead of the budget (the burst is when following pays); the schedule's rounds wait until
     # the run has paid the advance back.
     burst_rounds: int = 0
+    # Partial rounds: under max_share, a due round whose whole cost does not fit runs the
+    # optimizer steps that do (at least one, at most train_steps; the budget counts the round's
+    # capture and scoring too, from the last round's measured times), drawing the sequences the
+    # served draft fails on most (prioritized replay: newest, untrained-on sequences first)
+    # instead of waiting until the draft is stale (docs/design.md, "Rounds the budget affords").
+    partial_rounds: bool = True
+    # The served draft's age bound, in policy versions: once the served draft was last trained or
+    # validated against the policy this many versions ago, a due round runs even where not one
+    # step fits the budget (the steps that fit, at least one). 0 = no bound.
+    max_draft_age: int = 4
 
     def validate(self) -> None:
         if self.every_n_steps < 0 or self.train_steps < 1 or not 0 <= self.drift_fraction < 1:
@@ -87,8 +98,9 @@ class ScheduleConfig:
                 "schedule: every_n_steps >= 0, train_steps >= 1 and 0 <= drift_fraction < 1 "
                 f"(got {self.every_n_steps}, {self.train_steps}, {self.drift_fraction})"
             )
-        if self.burst_rounds < 0:
-            raise ConfigError(f"schedule: burst_rounds >= 0 (got {self.burst_rounds})")
+        if self.burst_rounds < 0 or self.max_draft_age < 0:
+            raise ConfigError(f"schedule: burst_rounds >= 0 and max_draft_age >= 0, 0 = no bound "
+                              f"(got {self.burst_rounds}, {self.max_draft_age})")
         if not 0 <= self.max_share < 1:
             raise ConfigError(f"schedule: max_share is a fraction of the run's time in [0, 1), 0 = off (got {self.max_share})")
         if self.chase_gain < 0:
@@ -114,16 +126,26 @@ class ValidateConfig:
     # swapped back in (docs/design.md, "Keep the better draft").
     guard: bool = True
     guard_margin: float = 0.03  # how far (a fraction) the served draft may fall below the frozen one before it goes back
+    # Notice a lost draft: when the engine accepts fewer first draft tokens than this fraction of
+    # what the draft it should serve simulates on the same step's rollouts, the draft is taken as
+    # lost in the engine (weights lost, zeroed or never loaded) and the newest version is swapped
+    # in again at the boundary (docs/design.md, "Notice a lost draft"). 0: no check.
+    lost_below: float = 0.5
 
     def validate(self) -> None:
         if not 0 <= self.margin < 1 or not 0 < self.heldout_fraction < 1:
             raise ConfigError(f"validation: margin in [0,1) and heldout_fraction in (0,1); got {self.margin}, {self.heldout_fraction}")
         if not 0 <= self.guard_margin < 1:
             raise ConfigError(f"validation: guard_margin is a fraction in [0, 1) (got {self.guard_margin})")
+        if not 0 <= self.lost_below < 1:
+            raise ConfigError(f"validation: lost_below is a fraction in [0, 1), 0 turns the check off (got {self.lost_below})")
 
 
 # The run's facts, when nothing passes them: what DraftAdapter serves, scores and matches.
 RUN_DEFAULTS = {"method": "eagle3", "k": 3, "temperature": 1.0}
+# Below this simulated first-token acceptance a draft proposes too little for a collapse in the
+# engine's counters to be told from noise: the lost-draft check waits (an untrained head: ~0.02).
+LOST_MIN_FIRST_RATE = 0.1
 
 
 @dataclass
@@ -301,6 +323,10 @@ class CostMeter:
         # the last round's duration up to its first block scored (its catch-up blocks ask for
         # their own time): what the next round is expected to take at least
         self.round_s: float | None = None
+        # the last round's seconds an optimizer step, and the rest of it (capture, scoring,
+        # publish): what a partial round's steps are sized from (affordable_steps)
+        self.step_s: float | None = None
+        self.fixed_s = 0.0
         self.excluded_s = 0.0  # wall time the run says is not its own (not_counted)
         self.credited_s = 0.0  # the run's time this process did not see (credit)
         self._depth = 0
@@ -348,6 +374,15 @@ class CostMeter:
         if self.round_s is None:
             return True
         return self.allows(self.round_s, advance_rounds * self.round_s)
+
+    def affordable_steps(self, advance_s: float = 0.0) -> int:
+        """The optimizer steps a round could take now within the budget, its fixed part counted
+        (0 before a round was measured). The most seconds x that fit: spent + x <= max_share *
+        (elapsed + x) + advance_s."""
+        if not self.max_share or self.start is None or not self.step_s:
+            return 0
+        room = (self.max_share * self.elapsed() + advance_s - self.spent) / (1 - self.max_share)
+        return max(0, int((room - self.fixed_s) // self.step_s))
 
     def allows(self, cost_s: float, advance_s: float = 0.0, running_s: float = 0.0) -> bool:
         """Would ``cost_s`` more seconds fit the budget, ``advance_s`` ahead of it allowed?
@@ -417,6 +452,13 @@ class DraftAdapter:
         self.gate = ValidationGate(self.cfg.validation, self.cfg.k)
         self.swaps = EngineSwaps(self._store)
         self._simulated: dict[int, float] = {}  # published version -> its simulated acceptance length
+        # the lost-draft check (_lost_draft): the version the engines were last given, the engine's
+        # first-token acceptance rate with the version it measured, the engines still to reload
+        self._engine_version: int | None = None
+        self._validated_at = policy_version  # the policy version the served draft was last trained or scored against
+        self._measured_first: tuple[float, int | None] | None = None
+        self._reload_pending = False
+        self._reloaded: weakref.WeakSet = weakref.WeakSet()
         self._round: Future | None = None  # a round started by start_round, not yet finished
         self._round_pool: JobThreads | None = None
         latest = self._store.latest()
@@ -425,7 +467,7 @@ class DraftAdapter:
         self.resumed_from = "start"
         if latest is None:
             # the starting draft is version 0 of this run: what the engine serves before any swap
-            self.publisher.write_trainer(policy_version)
+            self._engine_version = self.publisher.write_trainer(policy_version)
         else:
             self.resumed_from = self.publisher.resume(
                 latest, lambda path: _load_draft(path, self.policy_dir, self.method)[0])
@@ -519,12 +561,16 @@ class DraftAdapter:
         """Drop the rollouts observed with ``source`` (e.g. a shard that made a round fail)."""
         return self.replay.remove(lambda it: it.source is not None and it.source.rsplit("#", 1)[0] == source)
 
-    def report_measured(self, acceptance_length: float) -> None:
-        """The acceptance length the engine measured for the live draft (feeds the drift trigger).
+    def report_measured(self, acceptance_length: float, first_rate: float | None = None) -> None:
+        """The acceptance length the engine measured for the live draft (feeds the drift trigger)
+        and, when given, the share of first draft tokens it accepted (the lost-draft check,
+        :meth:`_lost_draft`, at the next round call).
 
         A round is due when a measurement falls drift_fraction below the reference: the last
         measurement before the latest round, or a higher one since."""
         self.trigger.report(acceptance_length)
+        if first_rate is not None and math.isfinite(first_rate):
+            self._measured_first = (float(first_rate), self._engine_version)
 
     def not_counted(self):
         """A context for work between RL steps that is not the run's (an evaluation, a
@@ -549,11 +595,14 @@ class DraftAdapter:
         if share is not None:
             metrics["adapt/share"] = share
         urgent = why in ("drift", "chase")
+        steps = None  # the whole round; a number: a partial round of that many optimizer steps
         if due and not force and not self.cost.allows_round(self.cfg.schedule.burst_rounds if urgent else 0):
-            # over schedule.max_share: the round stays due and runs when the run has earned the time
-            metrics.update({"adapt/skipped": 1.0, "adapt/deferred": 1.0})
-            self._log(metrics)
-            return metrics
+            steps = self._partial_steps(urgent, metrics)
+            if steps is None:
+                # over schedule.max_share: the round stays due and runs when the run has earned the time
+                metrics.update({"adapt/skipped": 1.0, "adapt/deferred": 1.0})
+                self._log(metrics)
+                return metrics
         split = self._round_split() if due or force and len(self.replay) > 0 else None
         if split is None:
             metrics["adapt/skipped"] = 1.0
@@ -566,7 +615,7 @@ class DraftAdapter:
         held = self.targets.batches(heldout, self.cfg.train.batch_size)
         live = self.score(self.live_draft(), held)
         self.refresh_shared_embeddings()
-        candidate, done, train_metrics, first_s = self._train_blocks(train, held, live, urgent, force, t0)
+        candidate, done, train_metrics, first_s = self._train_blocks(train, held, live, urgent, force, t0, steps)
         metrics.update({k: v for k, v in train_metrics.items() if k.startswith("train/")})
         if not math.isfinite(train_metrics.get("train/loss", 0.0)) or not self.trainer.weights_finite():
             return self._roll_back(metrics, live, t0)
@@ -585,8 +634,11 @@ class DraftAdapter:
         else:
             metrics["adapt/rejected"] = 1.0
         self.trigger.trained(published, candidate, live)
+        self._validated_at = self.policy_version  # the served draft, trained or just scored against it
         metrics["stage/adapt_s"] = time.perf_counter() - t0
-        self.cost.round_s = first_s
+        if steps is None:
+            self.cost.round_s = first_s
+        self.cost.fixed_s = max(0.0, metrics["stage/adapt_s"] - done * (self.cost.step_s or 0.0))
         self._log(metrics)
         return metrics
 
@@ -601,24 +653,44 @@ class DraftAdapter:
         train = [it for it in train if it.prompt_key not in held_prompts]
         return (heldout, train) if heldout and train else None
 
+    def _partial_steps(self, urgent: bool, metrics: dict[str, float]) -> int | None:
+        """A due round the budget cannot pay whole: the optimizer steps that fit
+        (schedule.partial_rounds), or at least one once the served draft is schedule.max_draft_age
+        policy versions old; None: it waits. Metrics ``adapt/partial``, ``adapt/age_bound``."""
+        sched = self.cfg.schedule
+        advance_s = sched.burst_rounds * (self.cost.round_s or 0.0) if urgent else 0.0
+        fits = min(self.cost.affordable_steps(advance_s), sched.train_steps) if sched.partial_rounds else 0
+        age = self.policy_version - self._validated_at
+        metrics["draft/age_validated"] = float(age)
+        if fits >= 1:
+            metrics["adapt/partial"] = 1.0
+            return fits
+        if sched.max_draft_age and age >= sched.max_draft_age:
+            metrics.update({"adapt/partial": 1.0, "adapt/age_bound": 1.0})
+            return 1
+        return None
+
     def _train_blocks(self, train: list[ReplayItem], held: list[CapturedBatch], live: float, urgent: bool,
-                      force: bool, t0: float) -> tuple[float, int, dict[str, float], float]:
+                      force: bool, t0: float, steps: int | None = None) -> tuple[float, int, dict[str, float], float]:
         """Blocks of schedule.train_steps optimizer steps, another only while the last one still
         paid off (the draft is behind the policy) and, under max_share, while another block's time
-        fits the budget. Returns (the candidate's score, steps done, the last block's metrics,
-        the first block's seconds from ``t0``)."""
+        fits the budget; ``steps``: one block of that many (a partial round, prioritized: the
+        sequences the served draft fails on most). Returns (the candidate's score, steps done, the
+        last block's metrics, the first block's seconds from ``t0``)."""
         sched = self.cfg.schedule
-        budget = max(sched.max_train_steps, sched.train_steps)
+        budget = max(sched.max_train_steps, sched.train_steps) if steps is None else steps
         advance_s = sched.burst_rounds * (self.cost.round_s or 0.0) if urgent else 0.0
+        block = sched.train_steps if steps is None else steps
         done, before, first_s = 0, live, None
         while True:
             t_block = time.perf_counter()
-            train_metrics = self._train_block(train, sched.train_steps)
-            done += sched.train_steps
+            train_metrics = self._train_block(train, block, priority=None if steps is None else self.cfg.priority or 1.0)
+            self.cost.step_s = (time.perf_counter() - t_block) / block
+            done += block
             candidate = self._score_candidate(held)
             now = time.perf_counter()
             first_s = first_s or now - t0
-            if (done + sched.train_steps > budget or candidate < before * (1 + sched.catchup_gain)
+            if (done + block > budget or candidate < before * (1 + sched.catchup_gain)
                     or not (force or self.cost.allows(now - t_block, advance_s, running_s=now - t0))):
                 return candidate, done, train_metrics, first_s
             before = candidate
@@ -649,18 +721,53 @@ class DraftAdapter:
                 "publish/copy_s": self.publisher.copy_s, "publish/write_s": self.publisher.write_s}
 
     def _guard(self) -> dict[str, float]:
-        """Keep the better draft: the served draft and the frozen first one, both scored on the
-        newest rollouts' held-out share (the same rows, the hand-over's states: no generation, no
-        policy forward where handed over). When the served one falls below the frozen one by more
-        than validation.guard_margin, the frozen draft is published as the next version (the
-        trainer restarts from it, fresh moments) and swapped in at this boundary. Metrics
-        ``guard/*`` (docs/design.md, "Keep the better draft")."""
-        if not self.cfg.validation.guard or self._serving_frozen:
+        """The served draft's checks at every round call, both on the newest rollouts' held-out
+        share (the same rows, the hand-over's states: no generation, no policy forward where
+        handed over): is it lost in the engine (:meth:`_lost_draft`), and is it still better than
+        the frozen first draft (:meth:`_keep_better`)."""
+        measured = self._take_measured_first()
+        keep = self.cfg.validation.guard and not self._serving_frozen
+        if measured is None and not keep:
             return {}
         held = self._newest_heldout()
         if held is None:
             return {}
-        served = self.score(self.live_draft(), held)
+        served, _ = score_draft(self.live_draft(), held, self.gate.k)
+        out = {} if measured is None else self._lost_draft(measured, served.reached_rates[0])
+        if keep:
+            out.update(self._keep_better(served.length, held))
+        return out
+
+    def _take_measured_first(self) -> float | None:
+        """The engine's first-token acceptance rate since the last check, when it measured the
+        version the adapter serves now (a measurement of an older version says nothing of it)."""
+        seen, self._measured_first = self._measured_first, None
+        if seen is None or not self.cfg.validation.lost_below:
+            return None
+        rate, version = seen
+        return rate if version is not None and version == self.publisher.live_version else None
+
+    def _lost_draft(self, measured: float, simulated: float) -> dict[str, float]:
+        """Notice a lost draft: the engine accepted fewer first draft tokens than
+        validation.lost_below of what the draft it should serve simulates on the step's rollouts
+        (its weights lost, zeroed or never loaded, whatever the checksum read back says). The
+        newest version is then swapped in again at this boundary (:meth:`swap`). Metrics
+        ``guard/first_measured``, ``guard/first_simulated``, ``guard/lost_draft``."""
+        self._reload_pending, self._reloaded = False, weakref.WeakSet()
+        out = {"guard/first_measured": measured, "guard/first_simulated": simulated, "guard/lost_draft": 0.0}
+        if simulated >= LOST_MIN_FIRST_RATE and measured < simulated * self.cfg.validation.lost_below:
+            self._reload_pending = True
+            out["guard/lost_draft"] = 1.0
+            log.warning("adapter: the engine accepted %.3f of first draft tokens where version %s simulates %.3f: "
+                        "its draft is taken as lost and the newest version is swapped in again",
+                        measured, self.publisher.live_version, simulated)
+        return out
+
+    def _keep_better(self, served: float, held: list[CapturedBatch]) -> dict[str, float]:
+        """Keep the better draft: when the served draft (simulated ``served``) falls below the
+        frozen first one by more than validation.guard_margin, the frozen draft is published as
+        the next version (the trainer restarts from it, fresh moments) and swapped in at this
+        boundary. Metrics ``guard/*`` (docs/design.md, "Keep the better draft")."""
         self.method.refresh_shared(self._frozen, self.policy)
         frozen = self.score(self._frozen, held)
         out = {"guard/served_simulated": served, "guard/frozen_simulated": frozen,
@@ -678,10 +785,12 @@ class DraftAdapter:
                         100 * self.cfg.validation.guard_margin, version)
         return out
 
-    def _train_block(self, train: list[ReplayItem], n: int) -> dict[str, float]:
-        """``n`` optimizer steps on batches drawn from ``train`` (recent versions weighted up)."""
-        if self.cfg.priority:
-            return self.trainer.train_steps(self._prioritized_batches(train, n), n=n)
+    def _train_block(self, train: list[ReplayItem], n: int, priority: float | None = None) -> dict[str, float]:
+        """``n`` optimizer steps on batches drawn from ``train`` (recent versions weighted up);
+        ``priority``: the prioritized replay exponent, when not AdapterConfig.priority's."""
+        priority = self.cfg.priority if priority is None else priority
+        if priority:
+            return self.trainer.train_steps(self._prioritized_batches(train, n, priority), n=n)
         bs = self.cfg.train.batch_size
         picks = [self.replay.sample(n_seqs=bs, rng=self.rng, items=train) for _ in range(n)]
         if self.cfg.group_by_length:
@@ -692,7 +801,7 @@ class DraftAdapter:
         batch = self.targets.batch(items)
         return batch.packed() if self.cfg.pack and self.method.packs else batch
 
-    def _prioritized_batches(self, train: list[ReplayItem], n: int) -> Iterator[CapturedBatch]:
+    def _prioritized_batches(self, train: list[ReplayItem], n: int, priority: float) -> Iterator[CapturedBatch]:
         """AdapterConfig.priority: ``n`` batches, each drawn after the step before it recorded
         the draft's loss on the sequences it trained on (drawn a step at a time, they are not
         regrouped by length: on seed 2's spool, drawing a block ahead and regrouping it, or
@@ -700,7 +809,7 @@ class DraftAdapter:
         docs/design.md, "Prioritized replay")."""
         for _ in range(n):
             pick = self.replay.sample(n_seqs=self.cfg.train.batch_size, rng=self.rng, items=train,
-                                      priority=self.cfg.priority)
+                                      priority=priority)
             yield self._train_batch(pick)
             # resumed once the trainer has taken its step on that batch
             self.replay.prioritize(pick, self.trainer.last_row_losses)
@@ -828,7 +937,12 @@ class DraftAdapter:
         self._wait_round()
         self.publisher.wait(engine.policy_version)  # only for the version it may swap in
         res = self.swaps.swap(engine)
+        if res is None and self._reload_pending and engine not in self._reloaded:
+            res = self.swaps.reload(engine)  # a draft noticed lost (_lost_draft): the newest one again
+            self._reloaded.add(engine)
+            self._log({"draft/reloaded": 1.0})
         if res is not None:
+            self._engine_version = res.version
             self._log({"swap/ms": res.ms, "draft/version": float(res.version)})
         return res
 
@@ -840,8 +954,13 @@ class DraftAdapter:
 
         self._wait_round()
         self.publisher.wait(max_policy_version)
+        if self._reload_pending:  # a draft noticed lost (_lost_draft): the newest one again, whatever is served
+            newer_than, self._reload_pending = None, False
         dv = self._store.latest(max_policy_version=max_policy_version, newer_than=newer_than)
-        return None if dv is None else DraftPackage.read(dv)
+        if dv is None:
+            return None
+        self._engine_version = dv.version
+        return DraftPackage.read(dv)
 
     @_timed
     def check_integrity(self, engine) -> bool:

@@ -143,7 +143,8 @@ class StepBoundary:
         adapter's drift trigger). ``acceptance``: an AcceptanceStats."""
         if self.adapter is None or not acceptance.drafts:
             return {}
-        self.adapter.report_measured(acceptance.length)
+        first = acceptance.reached_rates[0] if acceptance.accepted_per_pos else None
+        self.adapter.report_measured(acceptance.length, first)
         return {"accept/rl_batch_length": acceptance.length}
 
     def before_generate(self) -> None:

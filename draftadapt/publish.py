@@ -81,6 +81,7 @@ class Publisher:
         self.dtype = model_dtype(policy_dir)  # published drafts follow the target's dtype
         self.resume_path = store.out_dir / RESUME_FILE
         self.live: nn.Module | None = None
+        self.live_version: int | None = None  # the store's version of ``live``
         # ZeRO-3 gathers the draft on every rank inside export: the writes stay in the caller's order
         self.background = background and not trainer.is_deepspeed
         self.copy_s = 0.0  # the last publish's time on its caller's path (the copies)
@@ -97,6 +98,7 @@ class Publisher:
         self.wait()
         version, _ = self.store.publish(self._exporter(module, policy_version), policy_version=int(policy_version))
         self.live = self._on_trainer_device(module) if live is None else live.eval()
+        self.live_version = version
         return version
 
     def _exporter(self, module: nn.Module, policy_version: int):
@@ -133,7 +135,7 @@ class Publisher:
         version = max(self.store.next_version(), self._reserved + 1)
         self._reserved = version
         job = PendingWrite(version, int(policy_version))
-        self.live = live
+        self.live, self.live_version = live, version
         self.copy_s = time.perf_counter() - t0
         if not self.background:
             self._write(job, draft, state)
@@ -209,6 +211,7 @@ class Publisher:
                        f"give this run (policy {self.policy_dir}) its own output directory")
         with torch.random.fork_rng(devices=[]):
             self.live = self._on_trainer_device(load(latest.path))
+        self.live_version = latest.version
         self.trainer.reset_to(self.live)
         resumed_from = "published"
         try:
@@ -243,6 +246,17 @@ class EngineSwaps:
         res = self.store.swap_newest_into(engine)
         if res is not None:
             self._swapped_in[engine] = (res.checksum, engine.draft_dir)
+        return res
+
+    def reload(self, engine) -> Any:
+        """The newest version the engine may serve, swapped in again even when it serves that
+        version already (a draft noticed lost: ``DraftAdapter._lost_draft``). The SwapResult, or
+        None when the store holds none it may serve."""
+        latest = self.store.latest(max_policy_version=engine.policy_version)
+        if latest is None:
+            return None
+        res = engine.swap_draft(latest.path)
+        self._swapped_in[engine] = (res.checksum, engine.draft_dir)
         return res
 
     def intact(self, engine) -> bool:

@@ -99,7 +99,23 @@ def summarize(cfg: DemoConfig, history: list[dict], arms: dict, seconds: float, 
         s["async"] = _async(cfg, history, s["end_to_end"], sync)
     if cfg.spec:
         _drift(s, history, fresh)
+        s["guard"] = guard_summary(history)
     return s
+
+
+def guard_summary(history: list[dict]) -> dict:
+    """The served draft's checks per step (None where a step ran none): simulated against the
+    frozen first draft, the engine's first-token acceptance against the simulated one, and the
+    steps where the frozen draft went back in or a lost draft was swapped in again
+    (docs/design.md, "Keep the better draft", "Notice a lost draft")."""
+    def per_step(key: str) -> list:
+        return [h.get(key) for h in history]
+
+    return {"served_over_frozen_per_step": per_step("guard/served_over_frozen"),
+            "first_measured_per_step": per_step("guard/first_measured"),
+            "first_simulated_per_step": per_step("guard/first_simulated"),
+            "reverted_steps": [h["step"] for h in history if h.get("guard/reverted")],
+            "lost_draft_steps": [h["step"] for h in history if h.get("guard/lost_draft")]}
 
 
 def _mean(xs) -> float:

@@ -72,6 +72,10 @@ def test_demo_smoke(toy_target, tmp_path):
     assert all(f < 1.1 for f in frozen), frozen
     assert all(a > f + 0.1 for a, f in zip(adapted, frozen)), (adapted, frozen)
     assert len(summary["reward_per_step"]) == 3
+    # the served draft's checks, every step: never below the frozen one, never lost (an untrained
+    # head proposes too little for the lost-draft check: its first-token rate is under 0.1)
+    g = summary["guard"]
+    assert len(g["served_over_frozen_per_step"]) == 3 and g["reverted_steps"] == [] and g["lost_draft_steps"] == [], g
     # the whole run's block is the arms' per-step figures and the first step that published
     w = summary["whole_run"]
     assert w["adapted_mean"] == pytest.approx(sum(adapted) / 3, rel=1e-9)

@@ -267,6 +267,54 @@ def test_integrity_guard_swaps_the_lost_draft_back(world, trained, toy_target):
     assert adapter.check_integrity(engine)
 
 
+def test_a_draft_lost_in_the_engine_is_noticed_from_acceptance_and_swapped_in_again(world, trained, toy_target,
+                                                                                    tmp_path):
+    """vLLM #52479's failure: the draft's weights go to zero inside the running engine and nothing
+    raises. Here they are loaded as zeros into the worker behind every record the engine keeps
+    (no swap, the same version number), and the checksum check is left out: only the acceptance
+    the engine measures, set against what the draft it should serve simulates on the same
+    rollouts, can tell. The next round call notices, the boundary swaps the newest version in
+    again, and the step after it accepts what it accepted before."""
+    from safetensors.torch import save_file
+
+    from draftadapt.boundary import StepBoundary
+    from draftadapt.engine.worker_ext import WorkerCall
+
+    engine = world["engine"]
+    cfg = small_cfg()
+    cfg.schedule = ScheduleConfig(every_n_steps=0, drift_fraction=0.0, min_sequences=8)  # the checks alone
+    adapter = DraftAdapter(toy_target, trained, world["root"] / "lost", cfg)
+    boundary = StepBoundary(adapter, engine)
+    served = adapter.swap(engine).version  # the trained head serves, as this store's first version
+
+    def step(seed: int, version: int):
+        gen = engine.generate(world["prompts"][:32], temperature=1.0, max_tokens=48, seed=seed)
+        boundary.report(gen.acceptance)  # the engine's counters, as the loop reports them
+        adapter.observe(gen.rollouts, policy_version=version)  # a step's own version: its rows are the newest
+        return gen.acceptance, adapter.run_round()
+
+    good, m = step(seed=21, version=1)
+    assert m["guard/lost_draft"] == 0.0, m
+    # measured and simulated on the same rows agree for a draft that serves (sampling noise only)
+    assert m["guard/first_simulated"] >= 0.1 and abs(m["guard/first_measured"] - m["guard/first_simulated"]) < 0.1, m
+    assert adapter.swap(engine) is None  # nothing newer, nothing lost: no swap
+
+    weights = load_file(str(engine.draft_dir / WEIGHTS_FILE))
+    zeros = {k: torch.zeros_like(v) if v.is_floating_point() else v for k, v in weights.items()}
+    save_file(zeros, str(tmp_path / "zeros.safetensors"))
+    engine._rpc(WorkerCall.LOAD_DRAFT, str(tmp_path / "zeros.safetensors"), None, served)
+    lost, m = step(seed=22, version=2)
+    assert lost.reached_rates[0] < 0.5 * good.reached_rates[0], (lost.reached_rates, good.reached_rates)
+    assert m["guard/lost_draft"] == 1.0, m
+    assert m["guard/first_measured"] < adapter.cfg.validation.lost_below * m["guard/first_simulated"], m
+    res = adapter.swap(engine)  # the boundary's swap: the newest version in again, although it "serves" it
+    assert res is not None and res.version == served
+    assert adapter.swap(engine) is None  # once
+    back, m = step(seed=21, version=3)  # within one step: the first step's acceptance, the same draft, prompts and seed
+    assert back.length == pytest.approx(good.length, rel=1e-9), (back.length, good.length)
+    assert m["guard/lost_draft"] == 0.0, m
+
+
 def test_drift_trigger_trains_only_when_acceptance_fell(world, trained, toy_target):
     cfg = small_cfg()
     cfg.schedule = ScheduleConfig(every_n_steps=0, drift_fraction=0.10, train_steps=2, min_sequences=8)
@@ -302,6 +350,41 @@ def test_a_round_over_max_share_waits_and_stays_due(world, toy_target):
     time.sleep(5 * (adapter.cost.spent + round_s) + 0.2)  # the RL step's time: the round now fits in 20%
     m = adapter.run_round()
     assert m["adapt/trained"] == 1.0 and "adapt/deferred" not in m, m
+
+
+def test_a_round_the_budget_cannot_pay_runs_the_steps_that_fit_and_the_age_bound_ends_a_wait(world, toy_target):
+    """schedule.partial_rounds: where a whole round (6 steps) does not fit max_share but some
+    steps do, the round runs those steps instead of waiting. schedule.max_draft_age: where not
+    one step fits, the due round waits, but no longer than until the served draft was last
+    trained or scored 3 policy versions ago; then one step runs over the budget. Run time is
+    credited (CostMeter.credit) rather than slept: the budget is exact, not the machine's."""
+    cfg = small_cfg()
+    cfg.schedule = ScheduleConfig(every_n_steps=1, drift_fraction=0.0, train_steps=6, min_sequences=8, max_share=0.2,
+                                  max_draft_age=3)
+    adapter = DraftAdapter(toy_target, world["draft0"], world["root"] / "partial", cfg)
+    adapter.observe(rollouts(world, seed=7), policy_version=0)
+    assert adapter.run_round()["adapt/train_steps"] == 6.0  # the first round: whole, and measured
+    cost = adapter.cost
+    assert cost.step_s > 0 and cost.fixed_s > 0
+    adapter.observe(rollouts(world, seed=8), policy_version=0)
+    # the run's time that makes room for the round's fixed part and three of its six steps
+    room = cost.fixed_s + 3 * cost.step_s
+    cost.credit((room * (1 - 0.2) + cost.spent) / 0.2 - cost.elapsed())
+    m = adapter.run_round()
+    assert m["adapt/partial"] == 1.0 and m["adapt/trained"] == 1.0 and 1 <= m["adapt/train_steps"] < 6, m
+    cost.max_share = 0.01  # from here not one step fits
+    weights = policy_weights(toy_target)
+    for version in (1, 2, 3):
+        adapter.update_policy(weights, version=version)  # the policy moves on (the same weights: the count is the point)
+        adapter.observe(rollouts(world, seed=8 + version), policy_version=version)
+        m = adapter.run_round()
+        assert m["draft/age_validated"] == version, m
+        if version < 3:
+            assert m["adapt/deferred"] == 1.0 and m["adapt/trained"] == 0.0, m
+    assert m["adapt/age_bound"] == 1.0 and m["adapt/trained"] == 1.0 and m["adapt/train_steps"] == 1.0, m
+    adapter.update_policy(weights, version=4)
+    adapter.observe(rollouts(world, seed=13), policy_version=4)
+    assert adapter.run_round()["draft/age_validated"] == 1.0  # counted from the round the bound ran
 
 
 @pytest.mark.parametrize("chase_gain, next_round", [(1e-6, True), (10.0, False)])

@@ -115,6 +115,19 @@ def test_a_catch_up_block_asks_for_its_own_time():
     assert meter.allows(0.4, advance_s=0.3, running_s=0.5)  # an urgent round's advance: 1.1 <= 1.32
 
 
+def test_a_partial_round_gets_the_optimizer_steps_the_budget_affords():
+    """CostMeter.affordable_steps: the most seconds x with spent + x <= share * (elapsed + x) +
+    advance, less the round's fixed part, in whole steps of the last round's step time."""
+    meter = CostMeter(0.05)
+    assert meter.affordable_steps() == 0  # no round measured yet
+    meter.start, meter.spent, meter.step_s, meter.fixed_s = time.perf_counter() - 100.0, 4.0, 0.3, 0.2
+    assert meter.affordable_steps() == 2  # x <= (5.0 - 4.0) / 0.95 = 1.053 s: 0.2 s fixed + 2 x 0.3 s
+    assert meter.affordable_steps(advance_s=0.95) == 6  # (5.0 + 0.95 - 4.0) / 0.95 = 2.05 s: 0.2 s + 6 x 0.3 s
+    meter.spent = 6.0
+    assert meter.affordable_steps() == 0  # over the share already
+    assert CostMeter(0.0).affordable_steps() == 0  # no cap: rounds are never partial
+
+
 def test_time_the_run_says_is_not_its_own_is_off_the_clock():
     """adapter.not_counted(): an evaluation between RL steps neither earns the adapter time nor
     charges it for the adapter calls made inside it."""
