@@ -118,6 +118,11 @@ def make_accelerator(cfg: TrainConfig):
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     if host is not None:
         GradientState._shared_state["plugin_kwargs"] = host
+    # The draft trains at train.precision (DraftTrainer._autocast), not at the mixed precision a
+    # host's Accelerator left in the same shared state: TRL's GRPOConfig turns bf16 on wherever
+    # the CPU has it, and prepare() would wrap the draft's forward in bf16 autocast. (Found in the
+    # suite: after an in-process TRL run, a float32 trainer's second step moved 1.8e-4.)
+    accelerator.native_amp = False
     return accelerator
 
 

@@ -64,6 +64,39 @@ def test_draft_trainer_leaves_the_host_process_state_alone():
     assert_same(before, snapshot())
 
 
+HOST_THEN_TRAIN = """
+import sys
+from accelerate import Accelerator
+if sys.argv[1] == "bf16":
+    Accelerator(cpu=True, mixed_precision="bf16")  # the host's, as TRL's GRPOConfig makes it on a bf16 CPU
+from draftadapt.train.trainer import DraftTrainer, TrainConfig
+from tests.unit.test_losses import tiny_head
+from tests.unit.test_packing import H, padded_batch
+trainer = DraftTrainer(tiny_head(), "eagle3", TrainConfig(lr=1e-2, warmup_steps=0, schedule="constant", batch_size=6))
+print(repr([trainer.train_step(padded_batch(3 * H))["train/loss"] for _ in range(2)]))
+"""
+
+
+def test_the_draft_trains_at_its_own_precision_beside_a_bf16_host():
+    """accelerate's state is process-wide: a host's Accelerator in bf16 mixed precision made
+    prepare() wrap the draft's forward in bf16 autocast, and a float32 DraftTrainer's second step
+    moved 1.8e-4 (the suite's chunked-loss comparison, after an in-process TRL run). The draft
+    trains at train.precision whatever the host's: the same losses to the last bit. Fresh
+    interpreters: accelerate's state cannot be set up twice in one process."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    losses = []
+    for host in ("none", "bf16"):
+        done = subprocess.run([sys.executable, "-c", HOST_THEN_TRAIN, host], cwd=root, capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        losses.append(done.stdout.strip().splitlines()[-1])
+    assert losses[0] == losses[1], losses
+
+
 def test_draft_trainer_init_is_still_deterministic_per_seed():
     from draftadapt.drafts.eagle3 import init_from_target
 
