@@ -175,14 +175,33 @@ def cached_build(name: str, build, *source_dirs: Path) -> Path:
     return out
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config, items):
-    """Under `--dist loadgroup` (scripts/test.sh) a worker takes a whole module: its module-scoped
-    engines start once. Tests that start a local Ray cluster carry xdist_group("ray") and run
-    one after another on one worker."""
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+# Tests that start a local Ray cluster (here or in the process they run): one at a time, one worker
+RAY_GROUP = ("tests/integration/test_ray_fleet.py", "tests/integration/test_verl.py",
+             "tests/e2e/test_readme_commands.py::test_demo_on_a_ray_fleet_of_two_engines")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadgroup` (scripts/test.sh): a worker takes a whole test module (its
+    module-scoped engines start once), and the tests in RAY_GROUP go to one worker, one after
+    another. Our own grouping: pytest-xdist 3.8's loadgroup renames items through an attribute
+    pytest 9 no longer reads, so its xdist_group marks group nothing."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    # in collection order (e2e, integration, unit): the longest groups start first and the short
+    # unit modules fill in at the end, rather than xdist's order by test count, which left the
+    # few-test, many-minute modules for last
+    config.option.loadscopereorder = False
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            if nodeid.startswith(RAY_GROUP):
+                return "ray"
+            return nodeid.split("::")[0]
+
+    return ModuleScheduling(config, log)
 
 
 @pytest.fixture(scope="session")

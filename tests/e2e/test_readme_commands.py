@@ -55,7 +55,6 @@ def test_trl_recipe_runs_as_the_readme_shows(toy_target, tmp_path):
     assert s["tensorboard"], "TRL wrote no TensorBoard events"
 
 
-@pytest.mark.xdist_group("ray")  # a local Ray cluster: one at a time (tests/conftest.py)
 def test_demo_on_a_ray_fleet_of_two_engines(toy_target, tmp_path):
     """`draftadapt demo engines=2` (README, "Past one machine"): the RL batch split over two engine
     actors on a local Ray cluster, the adapter in its own actor; every step both engines serve the

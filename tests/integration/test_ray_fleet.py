@@ -23,8 +23,7 @@ from .conftest import flipped_copy, small_cfg, toy_prompts
 
 ray = pytest.importorskip("ray", reason="the Ray extra is installed by scripts/setup.sh")
 
-# one local Ray cluster at a time: every test that starts one runs on the same xdist worker
-pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("ray")]
+pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")

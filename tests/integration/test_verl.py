@@ -23,7 +23,7 @@ if importlib.util.find_spec("verl") is None:
 
 REPO = Path(__file__).resolve().parents[2]
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.xdist_group("ray")]  # a Ray cluster
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 def test_verl_grpo_with_the_draft_adapted(toy_target, tmp_path):
