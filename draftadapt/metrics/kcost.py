@@ -172,7 +172,8 @@ def best_k_per_batch(model: StepCostModel, per_position: list[float], max_batch:
     is chosen only if it beats every shorter one by this fraction. ``per_position``: rates
     measured at k >= k_max (``AcceptanceStats.reached_rates``); a nan rate (a position no draft
     reached) counts as 0. A k whose predicted step cost is not positive (the linear cost model
-    extrapolated too far below the smallest measured batch) is not chosen."""
+    extrapolated too far from the measured batches) is not chosen, and where the plain step's
+    cost is not positive the batch size takes the k of the one before it."""
     k_max = len(per_position) if k_max is None else k_max
     if k_max > len(per_position):
         raise ValueError(f"k_max={k_max} needs per-position rates for {k_max} positions, got {len(per_position)}")
@@ -181,6 +182,11 @@ def best_k_per_batch(model: StepCostModel, per_position: list[float], max_batch:
     rates = [r if np.isfinite(r) else 0.0 for r in per_position]
     out = []
     for b in range(1, max_batch + 1):
+        if out and not step_cost(model, 0, b) > 0:
+            # the plain step's line extrapolated to no cost: nothing is compared there (a drafted
+            # k would win by default); the k chosen at the largest batch the model still covers
+            out.append(out[-1])
+            continue
         best, best_k = -np.inf, 0
         for k in range(k_max + 1):
             c = step_cost(model, k, b)

@@ -224,7 +224,11 @@ def test_demo_online_k_and_the_ngram_arm(toy_target, tmp_path):
     # at the last step's RL batch: plain / online / fixed k interleaved, the fastest of 2 each
     cmp = summary["rl_batch_arms"]["online_vs_fixed_k"]
     assert cmp["k"] == 3 and cmp["repeats"] == 2 and cmp["table"] == ok["k_table_per_step"][-1]
-    assert 1.0 <= cmp["fixed_k_acceptance_length"] <= 4.0 and cmp["online_acceptance_length"] >= 1.0
+    assert 1.0 <= cmp["fixed_k_acceptance_length"] <= 4.0
+    # the online arm drafts where its table says: at the RL batch's 8 sequences an untrained head's
+    # table may draft nothing, and then there is no length to report (never one below 1)
+    online_len = cmp["online_acceptance_length"]
+    assert online_len >= 1.0 or (math.isnan(online_len) and re.search(r"(^|[ -])8:0$", cmp["table"])), cmp
     assert cmp["online_over_fixed_k_tokens_per_s"] == pytest.approx(
         cmp["online_tokens_per_s"] / cmp["fixed_k_tokens_per_s"], rel=1e-9)
     assert cmp["online_over_plain_tokens_per_s"] == pytest.approx(

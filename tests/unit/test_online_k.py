@@ -15,6 +15,7 @@ from draftadapt.metrics.kcost import (
     fit_step_costs,
     k_at,
     predicted_tokens_per_s,
+    StepCostModel,
     step_cost,
     acceptance_length_at,
 )
@@ -67,6 +68,16 @@ def test_a_longer_draft_must_beat_the_shorter_ones_by_the_margin():
         assert tps[k] >= max(tps) / 1.03 ** 5  # never far from the best
         # every longer k that the margin passed over gains less than 3% over the chosen one
         assert all(tps[j] <= tps[k] * 1.03 for j in range(k + 1, 6)) or k == 0
+
+
+def test_where_the_plain_step_extrapolates_to_no_cost_the_last_covered_choice_holds():
+    """Calibrated at batch 1 and 4 on a loaded machine, the plain step's line fell to zero past
+    batch ~61 while the drafted ones stayed positive, and k=1 was chosen there by default (a
+    margin of 10 stood for a draft that pays nowhere). Past the model's reach the k of the last
+    batch size it still covers holds."""
+    noisy = StepCostModel(batch_sizes=[1, 4], plain=[2e-3, 1.9e-3], fixed=[1e-3, 1.2e-3], per_k=[3e-4, 4e-4])
+    assert step_cost(noisy, 0, 64) <= 0 < step_cost(noisy, 1, 64)
+    assert best_k_per_batch(noisy, [0.05] * 3, 64, margin=10.0) == [0] * 64
 
 
 def test_k_max_caps_the_choice_and_needs_the_rates():
