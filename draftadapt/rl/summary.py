@@ -179,10 +179,14 @@ def _async(cfg: DemoConfig, history: list[dict], e: dict, sync: dict | None) -> 
 def _drift(s: dict, history: list[dict], fresh: dict | None) -> None:
     """The drafts against each other: whole_run, last_third and the fresh-final comparison, into ``s``."""
     a, f, p = s["arms"]["adapted"], s["arms"]["frozen"], s["arms"]["plain"]
-    s["whole_run"] = whole_run(a["acceptance_length_per_step"], f["acceptance_length_per_step"],
+    # the drafts compared at one k: under online k the adapted arm drafts up to k_max tokens where
+    # its table says, the frozen arm k; the adapted draft at the frozen arm's k is its own arm
+    same_k = s["arms"].get(FIXED_K_ARM, a)
+    s["whole_run"] = whole_run(same_k["acceptance_length_per_step"], f["acceptance_length_per_step"],
                                [h.get("adapt/published", 0.0) > 0 for h in history])
+    s["whole_run"]["adapted_arm"] = FIXED_K_ARM if same_k is not a else "adapted"
     s["last_third"] = {
-        "adapted_over_frozen_acceptance": a["last_third_acceptance"] / f["last_third_acceptance"],
+        "adapted_over_frozen_acceptance": same_k["last_third_acceptance"] / f["last_third_acceptance"],
         "adapted_over_plain_tokens_per_s": a["last_third_tokens_per_s"] / p["last_third_tokens_per_s"],
     }
     for name in sorted(set(s["arms"]) - {"plain", "frozen", "adapted"}):  # model-free baselines, fixed k

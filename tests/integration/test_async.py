@@ -23,7 +23,7 @@ def run_demo(args: list[str], timeout: int = 900) -> subprocess.CompletedProcess
 def test_async_versions_every_step(toy_target, tmp_path, lag):
     draft = init_draft(toy_target, "eagle3", tmp_path / "draft0", seed=0)
     out = tmp_path / "demo"
-    steps = 5
+    steps = 4
     proc = run_demo(["--out", str(out), "--steps", str(steps), "--toy", str(toy_target), f"draft={draft}",
                      f"async_lag={lag}", "k_policy=fixed", "grpo.prompts_per_step=4", "grpo.group_size=4",
                      "grpo.max_tokens=48", "fresh_final=false", "rl_batch_arms=false",
