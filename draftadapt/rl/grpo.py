@@ -91,4 +91,7 @@ def grpo_update(policy, reference, opt, problems, rollouts, cfg: GRPOConfig, pad
     correct = [c for _, c, _ in scored]
     styled = [s for _, _, s in scored]
     return {"rl/reward": float(R.mean()), "rl/accuracy": sum(correct) / len(correct),
-            "rl/style_frac": sum(styled) / len(styled), "rl/loss": pg_sum + cfg.kl_coef * kl_sum, "rl/kl": kl_sum}
+            "rl/style_frac": sum(styled) / len(styled), "rl/loss": pg_sum + cfg.kl_coef * kl_sum, "rl/kl": kl_sum,
+            # the mean reply length: two runs' step times differ as much by their trajectories
+            # (how long the policy's replies became) as by their generation speed
+            "rl/reply_tokens": n_tokens / max(n, 1)}

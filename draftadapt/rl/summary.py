@@ -88,6 +88,7 @@ def summarize(cfg: DemoConfig, history: list[dict], arms: dict, seconds: float, 
     s = {"steps": len(history), "seconds": seconds, "spec": cfg.spec,
          "reward_per_step": [h["rl/reward"] for h in history],
          "accuracy_per_step": [h["rl/accuracy"] for h in history],
+         "reply_tokens_per_step": [h.get("rl/reply_tokens") for h in history],
          "arms": {name: _arm(name, ms, max(1, len(history) // 3)) for name, ms in arms.items()},
          "end_to_end": end_to_end(history),
          "arms_measured_at": f"{cfg.eval.prompts} eval prompts every step"}

@@ -72,6 +72,9 @@ def test_demo_smoke(toy_target, tmp_path):
     assert all(f < 1.1 for f in frozen), frozen
     assert all(a > f + 0.1 for a, f in zip(adapted, frozen)), (adapted, frozen)
     assert len(summary["reward_per_step"]) == 3
+    # the RL batch's mean reply length per step, beside the step times it explains (64 at most)
+    assert all(0 < n <= 64 for n in summary["reply_tokens_per_step"]), summary["reply_tokens_per_step"]
+    assert all(0 < n <= 64 for n in b["reply_tokens_per_step"]), b["reply_tokens_per_step"]
     # the served draft's checks, every step: never below the frozen one, never lost (an untrained
     # head proposes too little for the lost-draft check: its first-token rate is under 0.1)
     g = summary["guard"]
