@@ -243,20 +243,19 @@ class EngineSwaps:
     def swap(self, engine) -> Any:
         """The newest version the engine may serve, in place (:meth:`DraftStore.swap_newest_into`).
         Returns the SwapResult or None."""
-        res = self.store.swap_newest_into(engine)
-        if res is not None:
-            self._swapped_in[engine] = (res.checksum, engine.draft_dir)
-        return res
+        return self._record(engine, self.store.swap_newest_into(engine))
 
     def reload(self, engine) -> Any:
         """The newest version the engine may serve, swapped in again even when it serves that
         version already (a draft noticed lost: ``DraftAdapter._lost_draft``). The SwapResult, or
         None when the store holds none it may serve."""
         latest = self.store.latest(max_policy_version=engine.policy_version)
-        if latest is None:
-            return None
-        res = engine.swap_draft(latest.path)
-        self._swapped_in[engine] = (res.checksum, engine.draft_dir)
+        return None if latest is None else self._record(engine, engine.swap_draft(latest.path))
+
+    def _record(self, engine, res) -> Any:
+        """What a swap put into ``engine`` (its checksum read back, the dir), for :meth:`intact`."""
+        if res is not None:
+            self._swapped_in[engine] = (res.checksum, engine.draft_dir)
         return res
 
     def intact(self, engine) -> bool:
@@ -269,6 +268,5 @@ class EngineSwaps:
         state = engine.draft_state()
         if expected is None or state["checksum"] == expected:
             return True
-        res = engine.swap_draft(path)
-        self._swapped_in[engine] = (res.checksum, path)
+        self._record(engine, engine.swap_draft(path))
         return False
