@@ -442,6 +442,14 @@ class RolloutEngine:
             return 0
         return int(self._rpc(WorkerCall.DRAFTER_IDLE, None)["idle_steps"])
 
+    def zero_draft_steps(self) -> int:
+        """Engine steps run so far in which no request had a draft token, so that the ordinary
+        sampler drew every token and vLLM's rejection sampler did not run (every prefill step,
+        every step at k = 0; ``draftadapt/engine/zero_draft.py``). 0 for a plain engine."""
+        if self.method is None or not self.in_process:
+            return 0
+        return int(self._rpc(WorkerCall.DRAFTER_IDLE, None)["zero_draft_steps"])
+
     # ------------------------------------------------------------------ draft swap
 
     def draft_state(self, full: bool = False) -> dict[str, Any]:

@@ -268,8 +268,9 @@ class DraftAdaptWorkerExtension:
         the table only between generations, so no request that is ever drafted misses a pass:
         every request that lives through an idle generation is never drafted. Verification is
         untouched (no draft tokens are proposed, so every sampled token is the target's own).
-        ``idle=None`` changes nothing. Returns whether the runner idles and how many steps it
-        has run without the drafter so far.
+        ``idle=None`` changes nothing. Returns whether the runner idles, how many steps it has
+        run without the drafter so far, and how many steps drafted nothing for any request and
+        so sampled without the rejection sampler (``draftadapt/engine/zero_draft.py``).
         """
         runner = self.model_runner
         if not hasattr(runner, "_da_propose"):
@@ -286,4 +287,5 @@ class DraftAdaptWorkerExtension:
             runner.propose_draft_token_ids = propose
         if idle is not None:
             runner._da_drafter_idle = bool(idle)
-        return {"idle": runner._da_drafter_idle, "idle_steps": runner._da_idle_steps}
+        return {"idle": runner._da_drafter_idle, "idle_steps": runner._da_idle_steps,
+                "zero_draft_steps": getattr(runner, "_da_zero_draft_steps", 0)}

@@ -78,6 +78,29 @@ def test_the_k_served_follows_the_table_changed_in_place(table_engine, plain_eng
     assert engine.k_schedule == [(1, 4, 5), (5, 64, 2)]  # a refused table leaves the live one
 
 
+def test_a_step_that_drafts_nothing_samples_what_a_plain_engine_samples(table_engine, plain_engine, toy_target):
+    """A step with no draft token skips vLLM's rejection sampler (draftadapt/engine/zero_draft.py).
+    Lossless by construction: at temperature 1, a seeded request's tokens and log-probs are the
+    plain engine's own, with the drafter idle or running its first pass."""
+    engine = table_engine
+    prompts = toy_prompts(toy_target, 8)
+    ref = plain_engine.generate(prompts, temperature=1.0, max_tokens=16, seed=11, logprobs=True)
+    assert plain_engine.zero_draft_steps() == 0  # a plain engine has no rejection sampler to skip
+    for idle in (True, False):
+        engine.set_k_schedule([(1, 64, 0)], idle_drafter=idle)
+        before = engine.zero_draft_steps()
+        res = engine.generate(prompts, temperature=1.0, max_tokens=16, seed=11, logprobs=True)
+        assert res.acceptance.drafts == 0 and engine.zero_draft_steps() - before >= 16  # every step
+        assert [x.token_ids for x in res.rollouts] == [x.token_ids for x in ref.rollouts]
+        for got, want in zip(res.rollouts, ref.rollouts):
+            assert got.logprobs == pytest.approx(want.logprobs, rel=1e-5, abs=1e-6)
+    engine.set_k_schedule([(1, 64, 3)])
+    before = engine.zero_draft_steps()
+    res = engine.generate(prompts, temperature=1.0, max_tokens=16, seed=11)
+    # drafting: only the steps before the first draft (the prefill) skip the rejection sampler
+    assert res.acceptance.drafts > 0 and 1 <= engine.zero_draft_steps() - before < 16
+
+
 def test_online_k_calibrates_on_the_engine_and_writes_its_choice(table_engine, toy_target):
     engine = table_engine
     engine.set_k_schedule([(1, 64, 3)])
