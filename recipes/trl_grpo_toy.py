@@ -39,6 +39,7 @@ import torch
 from draftadapt.adapter import AdapterConfig
 from draftadapt.config import ConfigError, load_config, pass_down, save_config
 from draftadapt.demo import make_world
+from draftadapt.online_k import OnlineKConfig
 from draftadapt.rl.config import toy_adapter, world_defaults
 from draftadapt.rl.summary import whole_run
 
@@ -69,6 +70,12 @@ class TRLToyConfig:
     style: str = ""  # the demo's reward: correct answer + style_bonus for this style (empty: the world's)
     style_bonus: float = 1.0
     k: int = 3  # the engine's draft length; passed down to adapter.k by SpeculativeRollouts
+    # SpeculativeRollouts' k_policy: "auto" (online: the k table is measured on the first batch
+    # and re-chosen from every batch's acceptance; where no k pays the drafter idles and the
+    # adapter pauses, docs/design.md "Stepping aside"), "online" or "fixed" (k at every batch
+    # size). The frozen/adapted arms are measured at k either way.
+    k_policy: Literal["auto", "online", "fixed"] = "auto"
+    online_k: OnlineKConfig = field(default_factory=OnlineKConfig)
     # torch threads of this process (trainer and in-process engine), both cores as the demo; on a
     # machine shared with other jobs use 1: two OpenMP threads on one free core wait on each
     # other at every barrier
@@ -163,6 +170,21 @@ def measure(engine, prompts: list[str], cfg: TRLToyConfig) -> dict:
             "tokens_per_s": res.tokens_per_s, "tokens": res.num_tokens, "seconds": res.seconds}
 
 
+@contextlib.contextmanager
+def at_fixed_k(engine, k: int):
+    """The engine drafts ``k`` at every batch size inside (an online table is put back after):
+    the arms compare drafts at one k, whatever the RL batch's table says."""
+    table = engine.k_schedule
+    if table is None:
+        yield
+        return
+    engine.set_k_schedule([(1, engine.max_num_seqs, k)])
+    try:
+        yield
+    finally:
+        engine.set_k_schedule(table)
+
+
 def make_arms_callback(rollouts, draft0: Path, prompts: list[str], cfg: TRLToyConfig, arms: dict):
     """After each step (after draftadapt's own step end): the frozen and the adapted draft on the
     same prompts and policy, by in-place swaps; the order flips every step."""
@@ -181,7 +203,8 @@ def make_arms_callback(rollouts, draft0: Path, prompts: list[str], cfg: TRLToyCo
                     engine.swap_draft(live)
 
             # the measurement is not the RL step's: off the adapter's cost clock (schedule.max_share)
-            with rollouts.adapter.not_counted() if rollouts.adapter is not None else contextlib.nullcontext():
+            with rollouts.adapter.not_counted() if rollouts.adapter is not None else contextlib.nullcontext(), \
+                    at_fixed_k(engine, cfg.k):
                 if state.global_step % 2:
                     arms["frozen"].append(frozen())
                     arms["adapted"].append(measure(engine, prompts, cfg))
@@ -259,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     from draftadapt.integrations.trl import SpeculativeRollouts
 
     rollouts = SpeculativeRollouts(target, draft0, out / "drafts", adapter_cfg=cfg.adapter, k=cfg.k,  # (+)
-                                   engine_kwargs={"threads": cfg.engine_threads, "seed": cfg.seed})
+                                   engine_kwargs={"threads": cfg.engine_threads, "seed": cfg.seed},
+                                   k_policy=cfg.k_policy, online_k=cfg.online_k)
     eval_prompts = world.heldout_prompts(target, cfg.eval_prompts)
     arms: dict[str, list[dict]] = {"frozen": [], "adapted": []}
     try:
@@ -295,6 +319,15 @@ def main(argv: list[str] | None = None) -> int:
             "mean_tokens_per_s": sum(m["tokens"] for m in ms) / max(1e-9, sum(m["seconds"] for m in ms)),
         }
     s["rl_batch_acceptance_per_step"] = [h.get("accept/length") for h in history]
+    s["k_policy"] = "online" if rollouts.online else "fixed"
+    if rollouts.online_k is not None:  # where the table drafted nothing, the RL batch ran undrafted
+        s["online_k"] = {"calibrate_seconds": rollouts.online_k.calibrate_s,
+                         "drafter_idle_per_step": [h.get("k/drafter_idle", 0.0) for h in history],
+                         # the adapter trained nothing while no batch size drafted; what it
+                         # simulated for its draft on those steps' rollouts is what resumes drafting
+                         "adapter_paused_per_step": [h.get("adapt/paused", 0.0) for h in history],
+                         "simulated_length_per_step": [h.get("accept/simulated_live") for h in history],
+                         "cost_model": rollouts.online_k.model.to_dict()}
     s["drafts"] = {"published": int(sum(h.get("adapt/published", 0.0) for h in history)),
                    "swapped_in": int(sum(h.get("swap/count", 0.0) for h in history)),
                    "final_version": int(history[-1].get("draft/version", 0)) if history else 0,
@@ -329,6 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     line = {"world": cfg.world, "steps": n, "adapted_over_frozen_acceptance": round(aa / fa, 3),
             "frozen_last_third": round(fa, 3), "adapted_last_third": round(aa, 3),
             **{k: round(v, 3) for k, v in s["whole_run"].items() if k in ("adapted_worst_over_start", "adapted_retention")},
+            "k_policy": s["k_policy"], "drafter_idle_steps": int(sum(s.get("online_k", {}).get("drafter_idle_per_step", []))),
             "drafts_published": s["drafts"]["published"], "drafts_swapped_in": s["drafts"]["swapped_in"],
             "trl_step_s": round(e["trl_step_s"], 2), "rl_step_s": round(e["rl_step_s"], 2),
             **{k: round(v, 3) for k, v in s["end_to_end"].get("matched_steps", {}).items() if k.startswith("rl_step_speedup")},

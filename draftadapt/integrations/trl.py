@@ -60,13 +60,21 @@ class SpeculativeRollouts:
     trainer's GRPOConfig.temperature: leave them unset there, a different value is a ConfigError);
     engine_kwargs: more RolloutEngine arguments (max_model_len, max_num_seqs, kv_cache_gib, threads,
     ...); check_integrity: read the draft's fingerprint back after every weight sync and repair a
-    lost draft (a sampled pass over the draft's weights; False skips it).
+    lost draft (a sampled pass over the draft's weights; False skips it); k_policy: "online" starts
+    the engine at ``online_k.k_max`` with a per-batch-size k table, measures its step costs on the
+    first batch's prompts and re-chooses the table after every generation from the batch's own
+    acceptance counters, 0 where no k pays: then the drafter idles, the adapter trains nothing
+    and its simulated acceptance says when a draft would pay again (docs/design.md, "Online k"
+    and "Stepping aside"); "fixed" drafts ``k`` at every batch size; "auto" (the default) is
+    online wherever there is a draft.
     """
 
     def __init__(self, policy_dir: str | Path, draft_dir: str | Path | None, out_dir: str | Path = "runs/drafts",
                  adapter_cfg=None, method: str = "eagle3", k: int = 3, adapt: bool = True,
-                 engine_kwargs: dict[str, Any] | None = None, check_integrity: bool = True):
+                 engine_kwargs: dict[str, Any] | None = None, check_integrity: bool = True,
+                 k_policy: str = "auto", online_k=None):
         from draftadapt.engine.rollout import RolloutEngine
+        from draftadapt.online_k import OnlineKConfig
 
         self.policy_dir = Path(policy_dir)
         self.draft_dir = None if draft_dir is None else Path(draft_dir)
@@ -83,8 +91,18 @@ class SpeculativeRollouts:
         # log-probs of the distribution sampled from (after temperature and top_p), as TRL's own
         # recomputation divides by its temperature: raw ones would differ at any T != 1
         engine_kwargs = {"logprobs_mode": "processed_logprobs", **(engine_kwargs or {})}
-        self.engine = RolloutEngine(self.policy_dir, self.draft_dir, method=method, num_speculative_tokens=k,
-                                    **engine_kwargs)
+        if k_policy not in ("auto", "online", "fixed"):
+            raise ConfigError(f"k_policy={k_policy!r}: choose 'auto', 'online' or 'fixed'")
+        self.online_cfg = online_k or OnlineKConfig()
+        self.online_cfg.validate()
+        online = k_policy == "online" or (k_policy == "auto" and self.draft_dir is not None)
+        if online:  # the table starts at k; the calibration re-chooses it on the first batch
+            max_seqs = engine_kwargs.setdefault("max_num_seqs", 64)
+            engine_kwargs["k_schedule"] = [(1, max_seqs, min(k, self.online_cfg.k_max))]
+        self.engine = RolloutEngine(self.policy_dir, self.draft_dir, method=method,
+                                    num_speculative_tokens=self.online_cfg.k_max if online else k, **engine_kwargs)
+        self.online = online
+        self.online_k = None  # the OnlineK, once calibrated
         self.adapter = None
         self.trainer = None
         self._hooks: list = []
@@ -105,6 +123,8 @@ class SpeculativeRollouts:
         if self._synced_step != trainer.state.global_step:  # also without the callback's step end
             self._sync(trainer)
         texts = [self._as_text(p, trainer) for p in prompts]
+        if self.online and self.online_k is None:
+            self._calibrate(texts, trainer)
         t0 = time.perf_counter()
         res = self.engine.generate(
             texts, temperature=trainer.temperature, top_p=trainer.top_p, max_tokens=trainer.max_completion_length,
@@ -113,6 +133,9 @@ class SpeculativeRollouts:
         self._window.acceptance = self._window.acceptance + res.acceptance
         self._window.tokens += res.num_tokens
         self._boundary.report(res.acceptance)  # the live draft, measured on the RL batch (drift trigger)
+        if self.online_k is not None:  # the same free counters re-choose the table for what follows
+            self._window.last.update(self.online_k.update(self.engine, res.acceptance))
+            self._window.last["k/drafter_idle"] = float(self.engine.drafter_idle)
         self._start_batch(res.rollouts, trainer.state.global_step)
         return {"prompt_ids": [rollout.prompt_token_ids for rollout in res.rollouts],
                 "completion_ids": [rollout.token_ids for rollout in res.rollouts],
@@ -175,16 +198,45 @@ class SpeculativeRollouts:
             self._window.add("adapt/handover_missed", float(len(self._batch) - len(kept)))
             rollouts, ho = [self._batch[i] for i in kept], ho.keep(kept)
             self._batch, self._keys = None, {}
+        # no batch size drafts: the adapter trains nothing nobody serves (docs/design.md, "Stepping aside")
+        self._boundary.paused = self.online_k is not None and self.engine.drafter_idle
         b = self._boundary.after_update(rollouts, sampled_version=self._batch_version, weights=weights,
                                         version=step, handover=ho, integrity=self.check_integrity)
         self._window.sync_s += time.perf_counter() - t0 - b.adapter_s
         if rollouts is None:
             return
+        self._follow_draft(b)
         for name, v in b.metrics.items():
             if name.startswith(("adapt/", "train/", "accept/simulated", "draft/integrity")):
                 self._window.add(name, v)
         self._window.swaps.extend(s.ms for s in b.swaps)
         self._window.adapt_s += b.adapter_s + ho.seconds
+
+    def _calibrate(self, texts: list[str], trainer) -> None:
+        """Online k: the engine's step costs at every k, measured on this first batch's prompts
+        (``OnlineK.calibrate``); its time counts as generation (the user's step pays it)."""
+        from draftadapt.online_k import OnlineK, schedule_text
+
+        self.online_k = OnlineK.calibrate(self.engine, texts, self.online_cfg, float(trainer.temperature),
+                                          int(trainer.args.seed))
+        self._window.gen_s += self.online_k.calibrate_s
+        self._window.last["k/calibrate_s"] = self.online_k.calibrate_s
+        print(f"[draftadapt] online k: step costs measured in {self.online_k.calibrate_s:.1f} s, k table "
+              f"{schedule_text(self.engine.k_schedule)} (batch sizes:k)", flush=True)
+
+    def _follow_draft(self, b) -> None:
+        """Online k after a boundary: a new draft starts from the acceptance its adapter simulated;
+        while the drafter idles, the simulated acceptance of the draft it would serve says when a
+        draft pays again."""
+        if self.online_k is None or self.adapter is None:
+            return
+        k = self.adapter.cfg.k
+        sim = self.adapter.simulated_length(b.swap.version) if b.swap is not None else None
+        if sim is not None:
+            self._window.last.update(self.online_k.new_draft(self.engine, sim, k))
+        elif self._boundary.paused and "accept/simulated_live" in b.metrics:
+            self._window.last.update(self.online_k.simulated(self.engine, b.metrics["accept/simulated_live"], k))
+        self._window.last["k/drafter_idle"] = float(self.engine.drafter_idle)
 
     def _start_batch(self, rollouts: list, version: int) -> None:
         """Hand-over for this generation batch: TRL's next forwards over it feed the adapter."""
@@ -252,6 +304,7 @@ class SpeculativeRollouts:
             row["swap/ms"] = sum(w.swaps) / len(w.swaps)
             row["swap/count"] = float(len(w.swaps))
         row.update(w.sums)
+        row.update(w.last)
         self.history.append({"step": float(step), **row})
         return row
 
@@ -267,6 +320,7 @@ class _Window:
         self.gen_s = self.sync_s = self.adapt_s = 0.0
         self.swaps: list[float] = []
         self.sums: dict[str, float] = {}
+        self.last: dict[str, float] = {}  # the newest value (the k table's figures)
 
     def add(self, name: str, value: float) -> None:
         self.sums[name] = self.sums.get(name, 0.0) + float(value)

@@ -32,12 +32,16 @@ def test_trl_recipe_runs_as_the_readme_shows(toy_target, tmp_path):
          "--draft", str(draft), "prompts_per_step=8", "group_size=4", "micro_batch=16", "max_tokens=48",
          "eval_prompts=8", "baseline_steps=1", "adapter.schedule.every_n_steps=1",
          "adapter.schedule.train_steps=2", "adapter.train.batch_size=8", "adapter.schedule.min_sequences=8",
-         "adapter.schedule.max_train_steps=0", "adapter.schedule.max_share=0", "adapter.train.warmup_steps=0"],
+         "adapter.schedule.max_train_steps=0", "adapter.schedule.max_share=0", "adapter.train.warmup_steps=0",
+         "online_k.batch_sizes=[1,8]", "online_k.repeats=1", "online_k.calibrate_tokens=8"],
         capture_output=True, text=True, timeout=900, cwd=REPO)
     line = last_json_line(proc)
     assert line["steps"] == 2 and line["out"] == str(out)
     s = json.loads((out / "summary.json").read_text())
     assert s["framework"].startswith("trl 1.16")
+    # online k by default: the k table measured on the first batch, re-chosen every step
+    assert s["k_policy"] == "online" and s["online_k"]["calibrate_seconds"] > 0
+    assert line["drafter_idle_steps"] == 0, "a draft pays on the toy at 32 sequences: the engine should draft"
     for arm in ("frozen", "adapted"):
         per_step = s["arms"][arm]["acceptance_length_per_step"]
         assert len(per_step) == 2 and all(1.0 <= a <= 4.0 for a in per_step), per_step

@@ -44,7 +44,9 @@ def test_engine_logprobs_match_trls_recomputed_logprobs_with_speculation_on(toy_
 
     torch.manual_seed(5)
     before = host_state()
-    rollouts = SpeculativeRollouts(toy_target, quick_head, tmp_path / "drafts", adapt=False, k=3,
+    # k=3 at every batch size: every rollout goes through verification (online k's own path is the
+    # recipe's, tests/e2e/test_readme_commands.py)
+    rollouts = SpeculativeRollouts(toy_target, quick_head, tmp_path / "drafts", adapt=False, k=3, k_policy="fixed",
                                    engine_kwargs={"max_model_len": 256, "max_num_seqs": 64, "kv_cache_gib": 1,
                                                   "seed": 0})
     try:

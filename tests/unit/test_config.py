@@ -197,6 +197,8 @@ def test_the_trl_integration_passes_method_and_k_down(tmp_path):
         SpeculativeRollouts(tmp_path / "policy", tmp_path / "draft", adapter_cfg=AdapterConfig(k=4))
     with pytest.raises(ConfigError, match=re.escape("adapter_cfg.method=mtp conflicts with SpeculativeRollouts.method")):
         SpeculativeRollouts(tmp_path / "policy", tmp_path / "draft", adapter_cfg=AdapterConfig(method="mtp"), k=5)
+    with pytest.raises(ConfigError, match=re.escape("k_policy='sometimes': choose 'auto', 'online' or 'fixed'")):
+        SpeculativeRollouts(tmp_path / "policy", tmp_path / "draft", k_policy="sometimes")
 
 
 def test_an_adapter_made_directly_runs_eagle3_at_k3_and_t1():
