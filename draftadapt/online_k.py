@@ -92,9 +92,11 @@ class OnlineK:
 
     def __init__(self, model: StepCostModel, max_batch: int, k_max: int, decay: float = 0.5,
                  counts: AcceptanceStats | None = None, margin: float = 0.0, min_reach: float = 0.25,
-                 prior_drafts: int = 64, step_aside: bool = False):
+                 prior_drafts: int = 64, step_aside: bool = False, rl_batch: int | None = None):
         self.model = model
         self.step_aside = step_aside
+        # the sequences an RL generation starts with (None: not known); see choose()
+        self.rl_batch = rl_batch
         self.min_reach = min_reach
         self.prior_drafts = prior_drafts
         self.max_batch = max_batch
@@ -139,8 +141,17 @@ class OnlineK:
         """The k table for the current counts: the argmax k per batch size. Where no batch size
         pays: all zeros with ``step_aside`` (the drafter idles; the adapter's simulated
         acceptance says when to draft again), else one draft token at a single sequence, so the
-        engine's counters keep measuring the draft at the cheapest place to draft."""
+        engine's counters keep measuring the draft at the cheapest place to draft.
+
+        With ``step_aside`` and a known ``rl_batch``: where no k pays at the RL batch's own size,
+        no batch size drafts. A table that drafts anywhere keeps vLLM's drafter pass at its k = 0
+        sizes, which the cost model does not price (its k = 0 cells are the idle drafter's); on
+        SmolLM2 that pass cost 1.04x a plain step at 32 sequences and 1.06x at 8 (geometric
+        mean of four runs, docs/results.md "Stepping aside"), paid on every step the RL batch
+        runs at, while a k that pays only at small sizes gains on the few steps of its tail."""
         ks = best_k_per_batch(self.model, self.rates, self.max_batch, self.k_max, self.margin)
+        if self.step_aside and self.rl_batch and not ks[min(self.rl_batch, len(ks)) - 1]:
+            ks = [0] * len(ks)
         if not any(ks) and not self.step_aside:
             ks[0] = 1
         return as_schedule(ks)
@@ -197,7 +208,7 @@ class OnlineK:
 
     @classmethod
     def calibrate(cls, engine, prompts: Sequence[str] | Sequence[Sequence[int]], cfg: OnlineKConfig | None = None,
-                  temperature: float = 1.0, seed: int = 0) -> "OnlineK":
+                  temperature: float = 1.0, seed: int = 0, rl_batch: int | None = None) -> "OnlineK":
         """Fit the step-cost model on ``engine`` itself: its table set to one k at a time (every k
         from 0 to the engine's: the cost is convex in k at large batches, and a line through
         three lengths over-priced the middle ones there, docs/design.md "Online k"),
@@ -207,7 +218,8 @@ class OnlineK:
         "Stepping aside"); in a table that drafts at some other batch size vLLM's first pass
         still runs at k = 0, which this cell does not price. The
         k_max generations also give the first acceptance counts; the engine then serves the
-        table they choose (its own table again if the calibration fails)."""
+        table they choose (its own table again if the calibration fails). ``rl_batch``: the
+        sequences an RL generation starts with (see ``choose``)."""
         cfg = cfg or OnlineKConfig()
         cfg.validate()
         before = engine.k_schedule
@@ -244,7 +256,7 @@ class OnlineK:
                     length = best.acceptance.length if k else 1.0
                     points.append((k, b, step_seconds(b, best.tokens_per_s, length)))
             online = cls(fit_step_costs(points), engine.max_num_seqs, k_max, cfg.decay, counts, cfg.margin,
-                         cfg.min_reach, cfg.prior_drafts, cfg.step_aside)
+                         cfg.min_reach, cfg.prior_drafts, cfg.step_aside, rl_batch)
             engine.set_k_schedule(online.choose())
             done = True
         finally:

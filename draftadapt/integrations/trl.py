@@ -218,7 +218,7 @@ class SpeculativeRollouts:
         from draftadapt.online_k import OnlineK, schedule_text
 
         self.online_k = OnlineK.calibrate(self.engine, texts, self.online_cfg, float(trainer.temperature),
-                                          int(trainer.args.seed))
+                                          int(trainer.args.seed), rl_batch=len(texts))
         self._window.gen_s += self.online_k.calibrate_s
         self._window.last["k/calibrate_s"] = self.online_k.calibrate_s
         print(f"[draftadapt] online k: step costs measured in {self.online_k.calibrate_s:.1f} s, k table "

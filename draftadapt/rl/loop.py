@@ -136,7 +136,8 @@ def setup(cfg: DemoConfig, world: World, target: Path, draft0: Path, out: Path, 
     torch.set_num_threads(cfg.engine_threads)
     online_k = None
     if spec_engine is not None and cfg.online:
-        online_k = OnlineK.calibrate(spec_engine, eval_prompts, cfg.online_k, cfg.grpo.temperature, cfg.eval.seed)
+        online_k = OnlineK.calibrate(spec_engine, eval_prompts, cfg.online_k, cfg.grpo.temperature, cfg.eval.seed,
+                                     rl_batch=cfg.grpo.prompts_per_step * cfg.grpo.group_size)
         print(f"[demo] online k: step costs measured in {online_k.calibrate_s:.1f} s, k table "
               f"{schedule_text(spec_engine.k_schedule)} (batch sizes:k)", flush=True)
     arms = {"plain": [], "frozen": [], "adapted": []} if cfg.spec else {"plain": []}

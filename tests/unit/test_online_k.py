@@ -202,6 +202,22 @@ def test_step_aside_turns_every_draft_off_and_the_simulated_length_turns_it_back
     assert online.simulated(engine, 1.0, 3) == {} and not engine.drafter_idle
 
 
+def test_where_no_k_pays_at_the_rl_batch_no_batch_size_drafts():
+    # a middling draft pays only at 1-2 sequences: alone that is the table; an RL batch of 32
+    # would pay vLLM's drafter pass on every k = 0 step, so with step_aside nothing drafts
+    counts = stats([60, 36, 20, 10, 5], [100] * 5, 100)
+    assert OnlineK(MODEL, 64, 5, counts=counts, step_aside=True).choose() == [(1, 1, 3), (2, 2, 2), (3, 64, 0)]
+    assert OnlineK(MODEL, 64, 5, counts=counts, step_aside=True, rl_batch=32).choose() == [(1, 64, 0)]
+    assert OnlineK(MODEL, 64, 5, counts=counts, step_aside=True, rl_batch=2).choose() == [(1, 1, 3), (2, 2, 2), (3, 64, 0)]
+    # without step_aside the table keeps its single-sequence draft; past max_batch the largest size decides
+    assert OnlineK(MODEL, 64, 5, counts=counts, step_aside=False, rl_batch=32).choose() == [(1, 1, 3), (2, 2, 2), (3, 64, 0)]
+    assert OnlineK(MODEL, 64, 5, counts=counts, step_aside=True, rl_batch=500).choose() == [(1, 64, 0)]
+    # a draft that pays at the RL batch keeps its whole table
+    good = stats([95, 90, 85, 80, 75], [100] * 5, 100)
+    table = OnlineK(MODEL, 64, 5, counts=good, step_aside=True).choose()
+    assert OnlineK(MODEL, 64, 5, counts=good, step_aside=True, rl_batch=32).choose() == table and k_at(table, 32) > 0
+
+
 def test_positions_the_table_stopped_drafting_are_extrapolated_not_kept_stale():
     # a drifted draft measured at every position, then six steps of an improved draft under a
     # table that drafts only 2 tokens: positions 2-4 get no new counts
