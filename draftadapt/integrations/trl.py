@@ -125,6 +125,8 @@ class SpeculativeRollouts:
         texts = [self._as_text(p, trainer) for p in prompts]
         if self.online and self.online_k is None:
             self._calibrate(texts, trainer)
+        if self.online_k is not None:  # whether this generation runs with no draft at all
+            self._window.last["k/drafter_idle"] = float(self.engine.drafter_idle)
         t0 = time.perf_counter()
         res = self.engine.generate(
             texts, temperature=trainer.temperature, top_p=trainer.top_p, max_tokens=trainer.max_completion_length,
@@ -135,7 +137,6 @@ class SpeculativeRollouts:
         self._boundary.report(res.acceptance)  # the live draft, measured on the RL batch (drift trigger)
         if self.online_k is not None:  # the same free counters re-choose the table for what follows
             self._window.last.update(self.online_k.update(self.engine, res.acceptance))
-            self._window.last["k/drafter_idle"] = float(self.engine.drafter_idle)
         self._start_batch(res.rollouts, trainer.state.global_step)
         return {"prompt_ids": [rollout.prompt_token_ids for rollout in res.rollouts],
                 "completion_ids": [rollout.token_ids for rollout in res.rollouts],
@@ -236,7 +237,6 @@ class SpeculativeRollouts:
             self._window.last.update(self.online_k.new_draft(self.engine, sim, k))
         elif self._boundary.paused and "accept/simulated_live" in b.metrics:
             self._window.last.update(self.online_k.simulated(self.engine, b.metrics["accept/simulated_live"], k))
-        self._window.last["k/drafter_idle"] = float(self.engine.drafter_idle)
 
     def _start_batch(self, rollouts: list, version: int) -> None:
         """Hand-over for this generation batch: TRL's next forwards over it feed the adapter."""
