@@ -219,7 +219,8 @@ class OnlineK:
         still runs at k = 0, which this cell does not price. The
         k_max generations also give the first acceptance counts; the engine then serves the
         table they choose (its own table again if the calibration fails). ``rl_batch``: the
-        sequences an RL generation starts with (see ``choose``)."""
+        sequences an RL generation starts with (see ``choose``); no batch size above it is
+        measured, since none runs."""
         cfg = cfg or OnlineKConfig()
         cfg.validate()
         before = engine.k_schedule
@@ -229,7 +230,10 @@ class OnlineK:
         if not prompts:
             raise ValueError("online k calibration needs at least one prompt")
         k_max = engine.k
-        bss = sorted({min(b, engine.max_num_seqs) for b in cfg.batch_sizes})
+        # an RL generation never runs more sequences than it starts with: sizes past rl_batch are
+        # not measured (on SmolLM2, 2 cores, the 64-sequence column was ~half the calibration)
+        cap = min(engine.max_num_seqs, rl_batch or engine.max_num_seqs)
+        bss = sorted({min(b, cap) for b in cfg.batch_sizes})
         pool = [prompts[i % len(prompts)] for i in range(max(bss))]
         points, counts = [], AcceptanceStats(k_max)
         t0 = time.perf_counter()

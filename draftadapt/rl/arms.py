@@ -36,14 +36,26 @@ def measure_arms(plain: RolloutEngine, spec_engine: RolloutEngine, draft0: Path,
                  step: int, max_tokens: int | None = None) -> tuple[dict, dict, dict]:
     """No speculation, the frozen draft, the adapted draft: same prompts, same policy. The order
     flips every step (plain first, then last), so a slow drift of this machine's speed does not
-    favour one arm's tokens/s."""
+    favour one arm's tokens/s. Under online k the frozen draft is measured at ``cfg.k`` (as the
+    adapted one is in its fixed-k arm): the drift is compared at one k, also on steps whose
+    table drafts nothing."""
+    def frozen() -> dict:
+        if spec_engine.k_schedule is None:
+            return measure_draft(spec_engine, draft0, prompts, cfg, max_tokens)
+        table = spec_engine.k_schedule
+        spec_engine.set_k_schedule([(1, spec_engine.max_num_seqs, cfg.k)])
+        try:
+            return measure_draft(spec_engine, draft0, prompts, cfg, max_tokens)
+        finally:
+            spec_engine.set_k_schedule(table)
+
     if step % 2 == 0:
         m_plain = measure(plain, prompts, cfg, max_tokens)
-        m_frozen = measure_draft(spec_engine, draft0, prompts, cfg, max_tokens)
+        m_frozen = frozen()
         m_adapted = measure(spec_engine, prompts, cfg, max_tokens)
     else:
         m_adapted = measure(spec_engine, prompts, cfg, max_tokens)
-        m_frozen = measure_draft(spec_engine, draft0, prompts, cfg, max_tokens)
+        m_frozen = frozen()
         m_plain = measure(plain, prompts, cfg, max_tokens)
     return m_plain, m_frozen, m_adapted
 

@@ -163,7 +163,8 @@ class DemoConfig:
     # start and re-chooses the table after every RL step from the RL batch's own acceptance
     # counters, 0 where no draft pays (docs/design.md, "Online k"); where no batch size pays the
     # drafter idles and the step costs a plain one (online_k.step_aside, docs/design.md "Stepping
-    # aside"). The frozen arm is measured under the same table. "auto": online where the engine
+    # aside"). The frozen arm and the adapted one's fixed-k arm are measured at k, whatever the
+    # table (the drift is compared at one k). "auto": online where the engine
     # can change its table in place (one engine, in this process or an async run's own; not the
     # Ray fleet of engines > 1), else fixed.
     k_policy: Literal["auto", "fixed", "online"] = "auto"

@@ -221,6 +221,10 @@ def test_demo_online_k_and_the_ngram_arm(toy_target, tmp_path):
     fixed = summary["arms"]["adapted_fixed_k"]
     assert len(fixed["acceptance_length_per_step"]) == 2
     assert all(1.0 <= x <= 4.0 for x in fixed["acceptance_length_per_step"])
+    # so does the frozen draft, whatever the table says (a table of zeros would measure nothing):
+    # the drift is compared at one k
+    assert all(1.0 <= x <= 4.0 for x in summary["arms"]["frozen"]["acceptance_length_per_step"]), summary["arms"]
+    assert summary["whole_run"]["adapted_arm"] == "adapted_fixed_k"
     assert summary["last_third"]["online_over_fixed_k_tokens_per_s"] == pytest.approx(
         summary["arms"]["adapted"]["last_third_tokens_per_s"] / fixed["last_third_tokens_per_s"], rel=1e-9)
     assert all(" | tok/s online/k=3 " in line for line in steps), steps

@@ -124,8 +124,9 @@ def test_stepping_aside_idles_the_drafter_until_the_simulated_length_pays(table_
     engine = table_engine
     engine.set_k_schedule([(1, 64, 3)])
     prompts = toy_prompts(toy_target, 4)
-    online = OnlineK.calibrate(engine, prompts, OnlineKConfig(batch_sizes=[1, 4], calibrate_tokens=8, repeats=1,
-                                                              margin=10.0))
+    online = OnlineK.calibrate(engine, prompts, OnlineKConfig(batch_sizes=[1, 4, 16], calibrate_tokens=8, repeats=1,
+                                                              margin=10.0), rl_batch=4)
+    assert online.model.batch_sizes == [1, 4] and online.rl_batch == 4  # no size past the RL batch is measured
     assert online.step_aside and engine.k_schedule == [(1, 64, 0)] and engine.drafter_idle
     before = engine.drafter_idle_steps()
     res = engine.generate(prompts, temperature=0.0, max_tokens=16)
