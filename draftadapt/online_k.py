@@ -68,6 +68,11 @@ class OnlineKConfig:
     # simulated acceptance of the draft it would serve (``OnlineK.simulated``, every step).
     # False keeps one token drafted at a single sequence instead, measured by the engine itself.
     step_aside: bool = True
+    # With step_aside and a known RL batch: stop the calibration after k = 0, 1 and 2 where
+    # they show that no k can pay at the RL batch's size (see OnlineK.calibrate); the longer k
+    # are measured the first time a table would draft. On SmolLM2 (2 cores) k = 0-5 at 1-32
+    # sequences took minutes, most of it in the longest k that such a head never drafts.
+    early_stop: bool = True
 
     def validate(self) -> None:
         if self.k_max < 1 or not self.batch_sizes or min(self.batch_sizes) < 1:
@@ -105,6 +110,7 @@ class OnlineK:
         self.margin = margin
         self.counts = counts if counts is not None else AcceptanceStats(k_max)
         self.calibrate_s = 0.0
+        self.pending: _Calibration | None = None  # an early-stopped calibration's left-out k
 
     @property
     def rates(self) -> list[float]:
@@ -165,7 +171,7 @@ class OnlineK:
             return {}
         out = self.new_draft(engine, acceptance_length, k)
         return {"k/idle_simulated_length": float(acceptance_length), "k/idle_rate": out["k/seeded_rate"],
-                "k/resumed": out["k/changed_on_swap"]}
+                "k/resumed": out["k/changed_on_swap"], "k/calibrate_s": self.calibrate_s}
 
     def new_draft(self, engine, acceptance_length: float, k: int) -> dict[str, float]:
         """Another draft serves in ``engine`` now: the counts of the one before no longer describe
@@ -187,8 +193,13 @@ class OnlineK:
         return {"k/seeded_rate": c, "k/changed_on_swap": float(self._write(engine))}
 
     def _write(self, engine) -> bool:
-        """Write the current choice into ``engine`` if it differs from what it serves; True if it did."""
+        """Write the current choice into ``engine`` if it differs from what it serves; True if it did.
+        A table that drafts, chosen on a calibration that stopped early, first measures the k it
+        left out (:meth:`finish_calibration`) and is chosen again on the whole model."""
         schedule = self.choose()
+        if self.pending is not None and any(k for _, _, k in schedule):
+            self.finish_calibration(engine)
+            schedule = self.choose()
         changed = schedule != engine.k_schedule
         if changed:
             engine.set_k_schedule(schedule)
@@ -204,6 +215,7 @@ class OnlineK:
         out["k/changed"] = float(changed)
         out.update({f"k/rate_pos_{i}": r for i, r in enumerate(self.rates)})
         out["k/measured_positions"] = float(self.measured_positions)
+        out["k/calibrate_s"] = self.calibrate_s  # all of it so far, an early stop's remainder included
         return out
 
     @classmethod
@@ -220,7 +232,20 @@ class OnlineK:
         k_max generations also give the first acceptance counts; the engine then serves the
         table they choose (its own table again if the calibration fails). ``rl_batch``: the
         sequences an RL generation starts with (see ``choose``); no batch size above it is
-        measured, since none runs."""
+        measured, since none runs.
+
+        Early stop (``cfg.early_stop``, with ``step_aside``, ``rl_batch`` and k_max > 2): after
+        k = 0, 1 and 2, at the largest size measured b (the RL batch's, where the calibration
+        sizes reach it), with c0, c1, c2 their step costs and r the first position's acceptance
+        rate in the k = 2 generations: a k-token draft accepts at most 1 + k r tokens a step
+        (no later position is accepted more often than the first), and where the cost's
+        increments in k do not shrink past k = 1 (a fixed drafter cost, then a cost per draft
+        token that grows with k: measured on this CPU at 8 sequences and up, docs/design.md
+        "Online k") a step costs at least c1 + (k - 1)(c2 - c1). If (1 + r') c0 <= c1 and
+        r' c0 <= c2 - c1, with r' = 1.25 r (room for the timings' noise), no k beats the plain
+        step at b: nothing drafts (``choose``), and the longer k are measured only once a table
+        would draft (:meth:`finish_calibration`). Until then the counts are the k = 2
+        generations' (later positions extrapolated)."""
         cfg = cfg or OnlineKConfig()
         cfg.validate()
         before = engine.k_schedule
@@ -234,33 +259,23 @@ class OnlineK:
         # not measured (on SmolLM2, 2 cores, the 64-sequence column was ~half the calibration)
         cap = min(engine.max_num_seqs, rl_batch or engine.max_num_seqs)
         bss = sorted({min(b, cap) for b in cfg.batch_sizes})
-        pool = [prompts[i % len(prompts)] for i in range(max(bss))]
-        points, counts = [], AcceptanceStats(k_max)
+        plan = _Calibration([prompts[i % len(prompts)] for i in range(max(bss))], bss, cfg, temperature, seed)
         t0 = time.perf_counter()
         done = False
         try:
-            for k in range(k_max + 1):
-                engine.set_k_schedule([(1, engine.max_num_seqs, k)])
-                for b in bss:
-                    best = None
-                    for _ in range(cfg.repeats):
-                        # a collector pass over the host's heap inside a sub-second timing would
-                        # land on whichever cell it hits
-                        gc.collect()
-                        gc.disable()
-                        try:
-                            res = engine.generate(pool[:b], temperature=temperature,
-                                                  max_tokens=cfg.calibrate_tokens, seed=seed)
-                        finally:
-                            gc.enable()
-                        if k == k_max:
-                            counts = counts + res.acceptance
-                        if best is None or res.tokens_per_s > best.tokens_per_s:
-                            best = res
-                    length = best.acceptance.length if k else 1.0
-                    points.append((k, b, step_seconds(b, best.tokens_per_s, length)))
+            head = list(range(min(k_max, 2) + 1))  # k = 0, 1, 2
+            first, counts2 = plan.measure(engine, head, k_max)
+            stop = (cfg.early_stop and cfg.step_aside and rl_batch is not None and k_max > 2
+                    and _no_k_pays(first, counts2, bss[-1]))
+            if stop:
+                points, counts, plan.left = first, counts2, list(range(3, k_max + 1))
+            else:
+                rest, counts = plan.measure(engine, list(range(3, k_max + 1)), k_max)
+                points, counts = first + rest, (counts if k_max > 2 else counts2)
+            plan.points = points
             online = cls(fit_step_costs(points), engine.max_num_seqs, k_max, cfg.decay, counts, cfg.margin,
                          cfg.min_reach, cfg.prior_drafts, cfg.step_aside, rl_batch)
+            online.pending = plan if plan.left else None
             engine.set_k_schedule(online.choose())
             done = True
         finally:
@@ -268,3 +283,62 @@ class OnlineK:
                 engine.set_k_schedule(before)
         online.calibrate_s = time.perf_counter() - t0
         return online
+
+    def finish_calibration(self, engine) -> None:
+        """Measure the k an early-stopped calibration left out (on its prompts and batch sizes),
+        fold their k_max generations' counts in, and refit the cost model on every point."""
+        plan, self.pending = self.pending, None
+        if plan is None:
+            return
+        t0 = time.perf_counter()
+        rest, counts = plan.measure(engine, plan.left, self.k_max)
+        self.model = fit_step_costs(plan.points + rest)
+        self.counts = self.counts + counts
+        self.calibrate_s += time.perf_counter() - t0
+
+
+def _no_k_pays(points: list[tuple[int, int, float]], counts: AcceptanceStats, b: int) -> bool:
+    """The early stop's bound (OnlineK.calibrate): at batch size ``b`` no k can beat the plain
+    step, given the k = 0, 1, 2 costs (``points``) and the k = 2 generations' counts."""
+    cost = {k: s for k, bb, s in points if bb == b}
+    r = counts.reached_rates[0] if counts.drafts else float("nan")
+    if not {0, 1, 2} <= set(cost) or not r == r:
+        return False
+    r = min(1.0, 1.25 * r)
+    return (1 + r) * cost[0] <= cost[1] and r * cost[0] <= cost[2] - cost[1]
+
+
+class _Calibration:
+    """What a calibration measures on (prompts, batch sizes, settings), the points so far, and
+    the k it has left to measure."""
+
+    def __init__(self, pool: list, bss: list[int], cfg: OnlineKConfig, temperature: float, seed: int):
+        self.pool, self.bss, self.cfg, self.temperature, self.seed = pool, bss, cfg, temperature, seed
+        self.points: list[tuple[int, int, float]] = []
+        self.left: list[int] = []
+
+    def measure(self, engine, ks: list[int], k_max: int) -> tuple[list[tuple[int, int, float]], AcceptanceStats]:
+        """Step-cost points for ``ks`` at every batch size (the fastest of ``cfg.repeats``), and
+        the acceptance counts of the largest k's generations (the k_max ones give the rates)."""
+        points, counts = [], AcceptanceStats(k_max)
+        for k in ks:
+            engine.set_k_schedule([(1, engine.max_num_seqs, k)])
+            for b in self.bss:
+                best = None
+                for _ in range(self.cfg.repeats):
+                    # a collector pass over the host's heap inside a sub-second timing would
+                    # land on whichever cell it hits
+                    gc.collect()
+                    gc.disable()
+                    try:
+                        res = engine.generate(self.pool[:b], temperature=self.temperature,
+                                              max_tokens=self.cfg.calibrate_tokens, seed=self.seed)
+                    finally:
+                        gc.enable()
+                    if k == max(ks) and k > 0:
+                        counts = counts + res.acceptance
+                    if best is None or res.tokens_per_s > best.tokens_per_s:
+                        best = res
+                length = best.acceptance.length if k else 1.0
+                points.append((k, b, step_seconds(b, best.tokens_per_s, length)))
+        return points, counts

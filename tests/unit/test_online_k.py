@@ -218,6 +218,59 @@ def test_where_no_k_pays_at_the_rl_batch_no_batch_size_drafts():
     assert OnlineK(MODEL, 64, 5, counts=good, step_aside=True, rl_batch=32).choose() == table and k_at(table, 32) > 0
 
 
+class CostedEngine(RecordingEngine):
+    """What OnlineK.calibrate touches of an engine, without vLLM: a step drafting k tokens for b
+    sequences costs true_cost(k, b) seconds, position i is accepted with cumulative rate
+    rates[i], and generate reports tokens/s and counts as the engine's counters would."""
+
+    def __init__(self, rates, k_max=5, max_num_seqs=64):
+        super().__init__([(1, max_num_seqs, 3)])
+        self.k, self.max_num_seqs, self.rates = k_max, max_num_seqs, rates
+        self.generated = []  # (k, batch size) of every generation
+
+    def generate(self, prompts, temperature, max_tokens, seed):
+        from types import SimpleNamespace
+
+        b, k = len(prompts), k_at(self.k_schedule, len(prompts))
+        self.generated.append((k, b))
+        n = 1000 if k else 0
+        acc = AcceptanceStats(self.k, n, [n * r if i < k else 0 for i, r in enumerate(self.rates)], n * k,
+                              [n if i < k else 0 for i in range(self.k)])
+        length = 1 + sum(self.rates[:k])
+        return SimpleNamespace(tokens_per_s=b * length / true_cost(k, b), acceptance=acc)
+
+    @property
+    def drafter_idle(self):
+        return not any(k for _, _, k in self.k_schedule)
+
+
+def test_a_calibration_stops_early_where_no_k_can_pay_and_finishes_when_a_draft_would():
+    cfg = OnlineKConfig(batch_sizes=[1, 8, 32, 64], repeats=1)
+    weak = [0.3, 0.09, 0.03, 0.01, 0.003]
+    engine = CostedEngine(weak)
+    online = OnlineK.calibrate(engine, ["p"] * 4, cfg, rl_batch=32)
+    # k = 0, 1, 2 at 1, 8 and 32 sequences (none past the RL batch), then the bound held at 32
+    assert sorted(set(engine.generated)) == [(k, b) for k in (0, 1, 2) for b in (1, 8, 32)]
+    assert online.pending is not None and online.pending.left == [3, 4, 5]
+    assert engine.k_schedule == [(1, 64, 0)]
+    # the bound agrees with the whole calibration: nothing pays at the RL batch there either
+    whole = OnlineK.calibrate(CostedEngine(weak), ["p"] * 4, OnlineKConfig(batch_sizes=[1, 8, 32, 64], repeats=1,
+                                                                           early_stop=False), rl_batch=32)
+    assert whole.pending is None and whole.choose() == [(1, 64, 0)]
+    # the draft it would serve turns good (its simulated length, and the engine's own rates): the
+    # left-out k are measured before any table drafts, their generations' counts folded in
+    engine.rates = [0.99, 0.97, 0.95, 0.93, 0.9]
+    m = online.simulated(engine, 3.9, 3)
+    assert m["k/resumed"] == 1.0 and online.pending is None
+    assert {(k, b) for k in (3, 4, 5) for b in (1, 8, 32)} <= set(engine.generated)
+    assert online.model.batch_sizes == [1, 8, 32] and k_at(engine.k_schedule, 32) > 0
+    # a draft that may pay is calibrated whole at once
+    engine = CostedEngine([0.95, 0.9, 0.85, 0.8, 0.75])
+    online = OnlineK.calibrate(engine, ["p"] * 4, cfg, rl_batch=32)
+    assert online.pending is None and {k for k, _ in engine.generated} == {0, 1, 2, 3, 4, 5}
+    assert k_at(engine.k_schedule, 32) > 0
+
+
 def test_positions_the_table_stopped_drafting_are_extrapolated_not_kept_stale():
     # a drifted draft measured at every position, then six steps of an improved draft under a
     # table that drafts only 2 tokens: positions 2-4 get no new counts
