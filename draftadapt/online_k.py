@@ -235,8 +235,8 @@ class OnlineK:
         measured, since none runs.
 
         Early stop (``cfg.early_stop``, with ``step_aside``, ``rl_batch`` and k_max > 2): after
-        k = 0, 1 and 2, at the largest size measured b (the RL batch's, where the calibration
-        sizes reach it), with c0, c1, c2 their step costs and r the first position's acceptance
+        k = 0, 1 and 2, at the RL batch's size b (when the calibration sizes reach it; no early
+        stop otherwise), with c0, c1, c2 their step costs and r the first position's acceptance
         rate in the k = 2 generations: a k-token draft accepts at most 1 + k r tokens a step
         (no later position is accepted more often than the first), and where the cost's
         increments in k do not shrink past k = 1 (a fixed drafter cost, then a cost per draft
@@ -265,8 +265,10 @@ class OnlineK:
         try:
             head = list(range(min(k_max, 2) + 1))  # k = 0, 1, 2
             first, counts2 = plan.measure(engine, head, k_max)
+            # the bound holds where it is computed: only at the RL batch's own size (measured when
+            # the calibration sizes reach it), not extrapolated from a smaller one
             stop = (cfg.early_stop and cfg.step_aside and rl_batch is not None and k_max > 2
-                    and _no_k_pays(first, counts2, bss[-1]))
+                    and bss[-1] == cap and _no_k_pays(first, counts2, cap))
             if stop:
                 points, counts, plan.left = first, counts2, list(range(3, k_max + 1))
             else:

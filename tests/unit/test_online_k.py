@@ -264,6 +264,10 @@ def test_a_calibration_stops_early_where_no_k_can_pay_and_finishes_when_a_draft_
     assert m["k/resumed"] == 1.0 and online.pending is None
     assert {(k, b) for k in (3, 4, 5) for b in (1, 8, 32)} <= set(engine.generated)
     assert online.model.batch_sizes == [1, 8, 32] and k_at(engine.k_schedule, 32) > 0
+    # calibration sizes short of the RL batch: the bound is not extrapolated, the calibration is whole
+    engine = CostedEngine(weak)
+    online = OnlineK.calibrate(engine, ["p"] * 4, OnlineKConfig(batch_sizes=[1, 8], repeats=1), rl_batch=32)
+    assert online.pending is None and {k for k, _ in engine.generated} == {0, 1, 2, 3, 4, 5}
     # a draft that may pay is calibrated whole at once
     engine = CostedEngine([0.95, 0.9, 0.85, 0.8, 0.75])
     online = OnlineK.calibrate(engine, ["p"] * 4, cfg, rl_batch=32)
