@@ -40,9 +40,9 @@ def measure_arms(plain: RolloutEngine, spec_engine: RolloutEngine, draft0: Path,
     adapted one is in its fixed-k arm): the drift is compared at one k, also on steps whose
     table drafts nothing."""
     def frozen() -> dict:
-        if spec_engine.k_schedule is None:
+        table = getattr(spec_engine, "k_schedule", None)  # a Ray fleet drafts a fixed k
+        if table is None:
             return measure_draft(spec_engine, draft0, prompts, cfg, max_tokens)
-        table = spec_engine.k_schedule
         spec_engine.set_k_schedule([(1, spec_engine.max_num_seqs, cfg.k)])
         try:
             return measure_draft(spec_engine, draft0, prompts, cfg, max_tokens)
