@@ -42,15 +42,21 @@ def expand_kernel_impl(output, input_val, cu_num_tokens, replace_from, replace_t
     output[:n] = expanded[:n].to(output.dtype)
 
 
-def needed() -> bool:
-    if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
+def plugin_wanted(disable_env: str, versions: tuple[str, ...], cpu_only: bool) -> bool:
+    """Whether one of the project's vLLM patches applies here: not turned off by ``disable_env``,
+    vLLM importable at one of ``versions`` (where it was diagnosed), on a CPU if ``cpu_only``."""
+    if os.environ.get(disable_env, "") not in ("", "0"):
         return False
     try:
         import vllm
         from vllm.platforms import current_platform
     except Exception:
         return False
-    return current_platform.is_cpu() and vllm.__version__.startswith(PATCHED_VERSIONS)
+    return vllm.__version__.startswith(versions) and (not cpu_only or current_platform.is_cpu())
+
+
+def needed() -> bool:
+    return plugin_wanted(DISABLE_ENV, PATCHED_VERSIONS, cpu_only=True)
 
 
 def register() -> None:

@@ -35,13 +35,9 @@ def drafted_nothing(spec_decode_metadata) -> bool:
 
 
 def needed() -> bool:
-    if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
-        return False
-    try:
-        import vllm
-    except Exception:
-        return False
-    return vllm.__version__.startswith(PATCHED_VERSIONS)
+    from draftadapt.engine.cpu_fix import plugin_wanted
+
+    return plugin_wanted(DISABLE_ENV, PATCHED_VERSIONS, cpu_only=False)
 
 
 def register() -> None:

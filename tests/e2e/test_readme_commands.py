@@ -33,28 +33,23 @@ def test_trl_recipe_runs_as_the_readme_shows(toy_target, tmp_path):
          "eval_prompts=8", "baseline_steps=1", "adapter.schedule.every_n_steps=1",
          "adapter.schedule.train_steps=2", "adapter.train.batch_size=8", "adapter.schedule.min_sequences=8",
          "adapter.schedule.max_train_steps=0", "adapter.schedule.max_share=0", "adapter.train.warmup_steps=0",
-         "online_k.batch_sizes=[1,8]", "online_k.repeats=1", "online_k.calibrate_tokens=8"],
+         "online_k.batch_sizes=[1,8]", "online_k.repeats=1", "online_k.calibrate_tokens=8",
+         "online_k.step_aside=false"],
         capture_output=True, text=True, timeout=900, cwd=REPO)
     line = last_json_line(proc)
     assert line["steps"] == 2 and line["out"] == str(out)
     s = json.loads((out / "summary.json").read_text())
     assert s["framework"].startswith("trl 1.16")
-    # online k by default: the k table measured on the first batch, re-chosen every step
-    o = s["online_k"]
-    assert s["k_policy"] == "online" and o["calibrate_seconds"] > 0
+    # online k by default: the k table measured on the first batch, re-chosen every step; with
+    # step_aside=false the table keeps a draft somewhere, so the drafter never idles and the
+    # adapter is never paused (stepping aside in TRL: tests/e2e/test_smollm2.py)
+    assert s["k_policy"] == "online" and s["online_k"]["calibrate_seconds"] > 0
+    assert line["drafter_idle_steps"] == 0 and s["online_k"]["adapter_paused_per_step"] == [0.0, 0.0], s["online_k"]
     for arm in ("frozen", "adapted"):  # measured at k=3 whatever the table
         per_step = s["arms"][arm]["acceptance_length_per_step"]
         assert len(per_step) == 2 and all(1.0 <= a <= 4.0 for a in per_step), per_step
-    # this untrained head is near the line on the toy: whether a k pays at 32 sequences follows
-    # the calibration's timings (it drafted alone, stepped aside beside the suite's other worker)
-    idle = o["drafter_idle_per_step"]
-    assert line["drafter_idle_steps"] == sum(idle) and all(x in (0.0, 1.0) for x in idle), o
-    if not any(idle):  # drafting: the adapter ran a round every step and the engine served what it published
-        assert s["drafts"]["published"] >= 1 and s["drafts"]["swapped_in"] == s["drafts"]["published"]
-    else:  # a step generated with no draft at all paused the adapter: no round on it
-        assert all(p == 1.0 for p, i in zip(o["adapter_paused_per_step"], idle) if i), o
-    if all(idle):
-        assert s["drafts"]["published"] == 0 and all(1.0 <= x < 4.0 for x in o["simulated_length_per_step"]), o
+    # the adapter ran a round on every step and the engine served what it published
+    assert s["drafts"]["published"] >= 1 and s["drafts"]["swapped_in"] == s["drafts"]["published"]
     # the starting draft is the store's version 1; each publish adds one
     assert s["drafts"]["final_version"] == 1 + s["drafts"]["published"]
     adapted = s["arms"]["adapted"]["acceptance_length_per_step"]
