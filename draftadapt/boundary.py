@@ -171,7 +171,8 @@ class StepBoundary:
             self._swap(res)
             if integrity:
                 res.metrics["draft/integrity_ok"] = float(self.engines.check_integrity(a))
-            self._learn(rollouts, sampled_version, weights, version, handover)
+            # the round is left due ({}), or, paused, what the adapter simulated instead
+            res.metrics.update(self._learn(rollouts, sampled_version, weights, version, handover))
         else:
             if integrity:
                 res.metrics["draft/integrity_ok"] = float(self.engines.check_integrity(a))

@@ -2,7 +2,8 @@
 rollout and draftadapt attached.
 
     .venv/bin/python recipes/verl_grpo_toy.py --out runs/verl [--steps 8] [--toy DIR] [--draft DIR]
-        [--arms adapted,frozen,plain] [--replicas 1] [--prompts 64] [KEY=VALUE ...]   (KEY: the adapter's config)
+        [--arms adapted,frozen,plain] [--replicas 1] [--prompts 64] [--k-policy auto|online|fixed]
+        [KEY=VALUE ...]   (KEY: the adapter's config)
 
 Builds (or reuses) the toy target and a pretrained Eagle-3 draft (as the TRL recipe), writes
 verl's data files (parquet: the toy task's prompts in chat form) and reward function (the demo's:
@@ -12,11 +13,14 @@ verl, docs/design.md "verl on CPU") and the draft served through vLLM's speculat
 (verl's per-request spec-decode counters on, so acceptance lands in verl's own metrics).
 Runs verl once per arm on the same seed and world: ``adapted``, the draft adapted by draftadapt
 (``trainer_mode=draftadapt``: the hand-over from verl's actor, the round beside generation, the
-draft into every rollout worker through Ray's object store); ``frozen``, the same draft never
+draft into every rollout worker through Ray's object store; online k by default: vLLM starts at
+``k_max`` with a per-batch-size k table that draftadapt measures at the first boundary and
+re-chooses from every step's counters, drafting nothing where no k pays); ``frozen``, the same draft never
 trained (verl's own sync trainer); ``plain``, no speculative decoding (verl's own sync trainer).
 verl's console log goes to OUT/ARM/verl.log, its metrics per step to OUT/ARM/metrics.jsonl;
 OUT/summary.json holds each arm's acceptance per step (verl's ``rollout/spec_accept_length``),
-the last thirds and their ratio, the step and the per-stage times verl reports (gen, old
+the last thirds and their ratio, each arm's mean reply length and its generation and step per
+generated token (the arms' trajectories differ), the step and the per-stage times verl reports (gen, old
 log-prob, update, weight sync, draftadapt's boundary; means of steps 2..N) and, for the adapted
 arm, the adapter's own policy forwards (counted) and each rollout worker's served version.
 ``--replicas 2`` runs two rollout replicas (and two FSDP ranks: verl colocates one replica per
@@ -57,6 +61,9 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **_)
 '''
 
 
+# sequences each rollout engine decodes at once: the RL batch (64 prompts x 4) fits
+MAX_NUM_SEQS = 256
+
 # The demo's adapter with a round every step: 8 verl steps leave the every-other-step schedule
 # four rounds, too few to follow the policy within the run
 VERL_ADAPTER = replace(toy_adapter(), schedule=replace(toy_adapter().schedule, every_n_steps=1))
@@ -86,6 +93,13 @@ class VerlToyConfig:
     # one, since the round runs beside verl's generation on the same cores
     adapter_threads: int = 1
     adapter_overrides: tuple[str, ...] = ()  # KEY=VALUE on the adapter's config (VERL_ADAPTER)
+    # the adapted arm's draft length: "auto"/"online" starts vLLM at k_max with a per-batch-size k
+    # table that draftadapt's online k measures at the first boundary and re-chooses every step
+    # (none where no k pays: the drafter idles); "fixed": k at every batch size. The frozen arm is
+    # verl's own trainer at k (what a verl user has without draftadapt).
+    k_policy: str = "auto"
+    k_max: int = 5
+    online_k: tuple[str, ...] = ()  # KEY=VALUE on online k's settings (OnlineKConfig), e.g. step_aside=false
 
 
 def prepare(cfg: VerlToyConfig, out: Path) -> dict[str, Path]:
@@ -139,7 +153,11 @@ def verl_overrides(cfg: VerlToyConfig, paths: dict[str, Path], out: Path, arm: P
     per_rank = batch // cfg.replicas
     from draftadapt.drafts.serving import serving_for
 
-    speculative_config = json.dumps(serving_for("eagle3").speculative_config(paths["draft"], cfg.k, 32 + cfg.max_tokens))
+    online = cfg.arm == "adapted" and cfg.k_policy != "fixed"
+    spec = serving_for("eagle3").speculative_config(paths["draft"], cfg.k_max if online else cfg.k, 32 + cfg.max_tokens)
+    if online:  # vLLM's per-batch-size table, rewritten in place by online k (draftadapt/engine/k_table.py)
+        spec["num_speculative_tokens_per_batch_size"] = [[1, MAX_NUM_SEQS, min(cfg.k, cfg.k_max)]]
+    speculative_config = json.dumps(spec)
     # verl's spec-decode plumbing: the counters per request, into its metrics; the method is
     # Eagle-3, the draft is draftadapt's (vLLM speculative_config); nothing is trained by verl
     # (enable_train stays off)
@@ -148,7 +166,8 @@ def verl_overrides(cfg: VerlToyConfig, paths: dict[str, Path], out: Path, arm: P
         "actor_rollout_ref.model.mtp.method=eagle3", f"actor_rollout_ref.model.mtp.num_speculative_tokens={cfg.k}",
         f"+actor_rollout_ref.rollout.engine_kwargs.vllm.speculative_config='{speculative_config}'",
         # vLLM's per-request counters (verl reads them from each request's metrics)
-        "+actor_rollout_ref.rollout.engine_kwargs.vllm.per_request_spec_decode_metrics=summary",
+        # (online k: with each verify step's drafted and accepted counts, per draft position)
+        f"+actor_rollout_ref.rollout.engine_kwargs.vllm.per_request_spec_decode_metrics={'detailed' if online else 'summary'}",
     ] if cfg.arm != "plain" else []
     if cfg.arm == "adapted":
         from draftadapt.config import save_config
@@ -162,7 +181,8 @@ def verl_overrides(cfg: VerlToyConfig, paths: dict[str, Path], out: Path, arm: P
                         out / "adapter.yaml")
         attach = ["trainer.v1.trainer_mode=draftadapt", f"+draftadapt.draft={paths['draft']}",
                   f"+draftadapt.out={arm / 'draftadapt'}", f"+draftadapt.adapter={out / 'adapter.yaml'}",
-                  f"+draftadapt.threads={cfg.adapter_threads}"]
+                  f"+draftadapt.threads={cfg.adapter_threads}", f"+draftadapt.k_policy={cfg.k_policy}",
+                  *(f"+draftadapt.online_k.{kv}" for kv in cfg.online_k)]
     else:
         attach = ["trainer.v1.trainer_mode=sync"]
     return [
@@ -193,6 +213,7 @@ def verl_overrides(cfg: VerlToyConfig, paths: dict[str, Path], out: Path, arm: P
         "actor_rollout_ref.rollout.disable_log_stats=False",  # vLLM attaches the counters to requests then
         "actor_rollout_ref.rollout.free_cache_engine=False", "+actor_rollout_ref.rollout.enable_sleep_mode=False",
         "actor_rollout_ref.rollout.load_format=auto", f"actor_rollout_ref.rollout.seed={cfg.seed}",
+        f"actor_rollout_ref.rollout.max_num_seqs={MAX_NUM_SEQS}",
         f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={per_rank}",
         "actor_rollout_ref.rollout.agent.num_workers=1",
         f"reward.custom_reward_function.path={out / 'reward.py'}", "reward.custom_reward_function.name=compute_score",
@@ -221,7 +242,7 @@ STAGES = {"gen": "timing_s/gen", "old_log_prob": "timing_s/old_log_prob", "updat
           "weight_sync": "timing_s/update_weights", "draftadapt": "draftadapt/boundary_s"}
 
 
-def summarize(arms: dict[str, list[dict]], steps: int) -> dict:
+def summarize(arms: dict[str, list[dict]], steps: int, batch: int | None = None) -> dict:
     """Per-step acceptance of each arm (verl's ``rollout/spec_accept_length``: vLLM's counters of
     the RL batch itself, averaged per request), its last third, what the step and each of its
     stages cost (means of steps 2..N: step 1 carries start-up), and the adapted arm's own policy
@@ -246,7 +267,22 @@ def summarize(arms: dict[str, list[dict]], steps: int) -> dict:
             "adapter_s_per_step": adapt_s if any(x == x for x in adapt_s) else [],
             "reward_per_step": series(rows, "critic/score/mean"),
             "draft_version_per_step": series(rows, "draftadapt/draft_version"),
+            # the trajectory: mean reply length of the step's rollouts (tokens)
+            "reply_tokens_per_step": series(rows, "response_length/mean"),
         }
+        reply = arm["reply_tokens_per_step"][1:] or arm["reply_tokens_per_step"]
+        arm["mean_reply_tokens"] = mean(reply)
+        if batch:  # per generated token: the arms' trajectories differ in reply length
+            tokens = sum(x * batch for x in reply if x == x)
+            gen = [x for x in (series(rows, "timing_s/gen")[1:] or series(rows, "timing_s/gen")) if x == x]
+            steps_s = [x for x in (step_s[1:] or step_s) if x == x]
+            if tokens:
+                arm["gen_ms_per_token"] = 1e3 * sum(gen) / tokens
+                arm["step_ms_per_token"] = 1e3 * sum(steps_s) / tokens
+        if any(x == x for x in series(rows, "draftadapt/k/max")):
+            arm["online_k"] = {"k_max_per_step": series(rows, "draftadapt/k/max"),
+                               "drafter_idle_per_step": series(rows, "draftadapt/k/drafter_idle"),
+                               "calibrate_s": mean(series(rows, "draftadapt/k/calibrate_s"))}
         last = rows[-1]["data"] if rows else {}
         if "draftadapt/adapter_policy_forwards" in last:
             arm["adapter_policy_forwards"] = int(last["draftadapt/adapter_policy_forwards"])
@@ -263,6 +299,10 @@ def summarize(arms: dict[str, list[dict]], steps: int) -> dict:
         out["step_adapted_over_plain"] = a["mean_step_s"] / p["mean_step_s"]
     if f and p:
         out["step_frozen_over_plain"] = f["mean_step_s"] / p["mean_step_s"]
+    for name, arm in (("adapted", a), ("frozen", f)):
+        if arm and p and "gen_ms_per_token" in arm and "gen_ms_per_token" in p:
+            out[f"gen_per_token_{name}_over_plain"] = arm["gen_ms_per_token"] / p["gen_ms_per_token"]
+            out[f"step_per_token_{name}_over_plain"] = arm["step_ms_per_token"] / p["step_ms_per_token"]
     if a and a["adapter_s_per_step"]:
         out["adapter_share_of_step"] = mean(a["adapter_s_per_step"][1:]) / a["mean_step_s"]
     return out
@@ -293,7 +333,8 @@ def run_arm(cfg: VerlToyConfig, paths: dict[str, Path], out: Path, name: str) ->
               f"reward {d.get('critic/score/mean', 0):.3f} step {d.get('timing_s/step', 0):.1f} s "
               f"(gen {d.get('timing_s/gen', 0):.1f} s, old log-prob {d.get('timing_s/old_log_prob', 0):.1f} s, "
               f"update {d.get('timing_s/update_actor', 0):.1f} s, draftadapt {d.get('draftadapt/boundary_s', 0):.2f} s)"
-              + (f" draft v{served}" if served is not None else ""), flush=True)
+              + (f" draft v{served}" if served is not None else "")
+              + (f" k<={d['draftadapt/k/max']:.0f}" if "draftadapt/k/max" in d else ""), flush=True)
     print(f"[verl] {name}: {len(rows)} steps in {time.perf_counter() - t0:.0f} s", flush=True)
     return rows
 
@@ -311,6 +352,11 @@ def main(argv: list[str] | None = None) -> int:
                          "plain: no speculative decoding (both verl's own sync trainer), for comparison")
     ap.add_argument("--replicas", type=int, default=VerlToyConfig.replicas,
                     help="rollout replicas (= FSDP ranks, logical GPUs of this CPU; tp=1)")
+    ap.add_argument("--k-policy", default=VerlToyConfig.k_policy, choices=("auto", "online", "fixed"),
+                    help="the adapted arm's draft length: online k's measured table (auto, online) or k at every "
+                         "batch size (fixed)")
+    ap.add_argument("--online-k", action="append", default=[], metavar="KEY=VALUE",
+                    help="online k's settings (draftadapt.online_k.OnlineKConfig), e.g. --online-k step_aside=false")
     ap.add_argument("adapter", nargs="*", metavar="KEY=VALUE",
                     help="the adapter's settings over the recipe's (e.g. schedule.train_steps=4)")
     args = ap.parse_args(argv)
@@ -322,16 +368,18 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--replicas {args.replicas}: at least 1, dividing the step's {args.prompts} x "
                  f"{VerlToyConfig.group_size} rollouts")
     cfg = VerlToyConfig(out=args.out, steps=args.steps, toy=args.toy, draft=args.draft, seed=args.seed,
-                        prompts_per_step=args.prompts, replicas=args.replicas, adapter_overrides=tuple(args.adapter))
+                        prompts_per_step=args.prompts, replicas=args.replicas, adapter_overrides=tuple(args.adapter),
+                        k_policy=args.k_policy, online_k=tuple(args.online_k))
     out = Path(cfg.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     paths = prepare(cfg, out)
     rows = {name: run_arm(replace(cfg, arm=name), paths, out, name) for name in arms}
-    summary = summarize(rows, cfg.steps)
+    summary = summarize(rows, cfg.steps, batch=cfg.prompts_per_step * cfg.group_size)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps({k: v for k, v in summary.items() if k != "arms"} |
                      {f"{n}_last_third": a["last_third"] for n, a in summary["arms"].items()} |
                      {f"{n}_mean_step_s": a["mean_step_s"] for n, a in summary["arms"].items()} |
+                     {f"{n}_mean_reply_tokens": a["mean_reply_tokens"] for n, a in summary["arms"].items()} |
                      {f"{n}_adapter_policy_forwards": a["adapter_policy_forwards"]
                       for n, a in summary["arms"].items() if "adapter_policy_forwards" in a}), flush=True)
     return 0

@@ -35,6 +35,7 @@ from draftadapt.drafts.formats import (
 )
 from draftadapt.drafts.mtp import PREFIX as MTP_PREFIX
 from draftadapt.drafts.serving import check_serves, serving_for
+from draftadapt.engine import k_table
 from draftadapt.engine.cpu_fix import guard_llvmlite_lib
 from draftadapt.engine.worker_ext import WorkerCall
 from draftadapt.metrics.acceptance import AcceptanceStats
@@ -231,7 +232,7 @@ class RolloutEngine:
                     enforce_eager=enforce_eager, **({} if block_size is None else {"block_size": block_size}))
         self.max_num_seqs = max_num_seqs
         self._record_what_serves(meta, speculate)
-        if self._k_schedule is not None and self.in_process:
+        if self._k_schedule is not None and (self.in_process or k_table.needed()):
             self.set_k_schedule(self._k_schedule)  # a table of zeros starts with the drafter idle
         if speculate and serving.in_target and draft is not None:
             # vLLM started the drafter with the target's own MTP layers: the draft dir's go in now
@@ -403,31 +404,30 @@ class RolloutEngine:
     def set_k_schedule(self, schedule: Sequence[tuple[int, int, int]], idle_drafter: bool = True) -> None:
         """Change the per-batch-size k table in place, between generations: vLLM's scheduler
         looks the k up in a dense batch-size table every step and the model runner drafts that
-        many (docs/design.md, "Online k"). Needs an in-process engine started with a
-        ``k_schedule``; k above the engine's ``num_speculative_tokens`` is capped to it, as
+        many (docs/design.md, "Online k"). Needs an engine started with a ``k_schedule`` (a
+        multiprocess one through draftadapt's EngineCore method, ``engine/k_table.py``); k above the engine's ``num_speculative_tokens`` is capped to it, as
         vLLM does at start-up. A table of zeros idles the drafter (no pass at all, where vLLM
         would still run its first one; docs/design.md, "Stepping aside"); ``idle_drafter=False``
         keeps vLLM's own behaviour (scripts/bench_k_table.py measures the two)."""
         if self._k_schedule is None:
             raise ValueError("this engine was started without a k schedule; start it with "
                              f"RolloutEngine(..., num_speculative_tokens=K_MAX, k_schedule=[(1, {self.max_num_seqs}, K)])")
-        if not self.in_process:
-            # the scheduler lives in the engine-core process; vLLM's utility calls reach only
-            # EngineCore's own methods, none of which sets it
-            raise ValueError("set_k_schedule needs an in-process engine (in_process=True): a multiprocess "
-                             "engine's scheduler is in another process")
-        from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
-
-        rows = [tuple(int(v) for v in r) for r in schedule]
-        dense = build_dynamic_sd_schedule_lookup(rows, self.max_num_seqs, self.k)  # validates as at start-up
-        core = self.llm.llm_engine.engine_core.engine_core
-        core.scheduler.dynamic_sd_lookup[:] = dense
-        core.vllm_config.speculative_config.num_speculative_tokens_per_batch_size = rows
+        rows = k_table.normalize(schedule)
         # a model-free drafter (n-gram, suffix) has no forward to skip
-        idle = idle_drafter and not any(dense) and self.method not in MODEL_FREE_METHODS
-        if idle != self._drafter_idle:
-            self._rpc(WorkerCall.DRAFTER_IDLE, idle)
-            self._drafter_idle = idle
+        model_free = self.method in MODEL_FREE_METHODS
+        if self.in_process:
+            core = self.llm.llm_engine.engine_core.engine_core
+            state = k_table.apply(core, rows, idle_drafter and not model_free,
+                                  None if model_free else (lambda idle: self._rpc(WorkerCall.DRAFTER_IDLE, idle)))
+        else:
+            # the scheduler lives in the engine-core process: draftadapt's plugin gave EngineCore
+            # the method that sets it there (draftadapt/engine/k_table.py)
+            if not k_table.needed():
+                raise ValueError(f"set_k_schedule on a multiprocess engine needs draftadapt's k-table plugin "
+                                 f"(vLLM 0.32, {k_table.DISABLE_ENV} unset); start the engine with in_process=True")
+            state = self.llm.llm_engine.engine_core.call_utility(k_table.CORE_METHOD, rows,
+                                                                 idle_drafter and not model_free, model_free)
+        self._drafter_idle = bool(state["idle"])
         self._k_schedule = rows
 
     @property
@@ -438,7 +438,7 @@ class RolloutEngine:
 
     def drafter_idle_steps(self) -> int:
         """Engine steps run so far without the drafter (a table of zeros; 0 if never idle)."""
-        if self.method is None or not self.in_process:
+        if self.method is None:
             return 0
         return int(self._rpc(WorkerCall.DRAFTER_IDLE, None)["idle_steps"])
 
@@ -446,7 +446,7 @@ class RolloutEngine:
         """Engine steps run so far in which no request had a draft token, so that the ordinary
         sampler drew every token and vLLM's rejection sampler did not run (every prefill step,
         every step at k = 0; ``draftadapt/engine/zero_draft.py``). 0 for a plain engine."""
-        if self.method is None or not self.in_process:
+        if self.method is None:
             return 0
         return int(self._rpc(WorkerCall.DRAFTER_IDLE, None)["zero_draft_steps"])
 

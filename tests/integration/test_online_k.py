@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from draftadapt.draft_init import init_draft
+from draftadapt.engine import k_table
 from draftadapt.metrics.kcost import k_at
 from draftadapt.online_k import OnlineK, OnlineKConfig
 
@@ -138,3 +139,33 @@ def test_stepping_aside_idles_the_drafter_until_the_simulated_length_pays(table_
     res = engine.generate(prompts, temperature=0.0, max_tokens=16)
     assert res.acceptance.drafts > 0
     engine.set_k_schedule([(1, 64, 3)])
+
+
+def test_a_multiprocess_engine_takes_the_table_in_its_engine_core(toy_target, tmp_path):
+    """vLLM's multiprocess engine (and verl's rollout servers) keep the scheduler in an engine-core
+    process: draftadapt's plugin gives EngineCore the method that rewrites the table there
+    (draftadapt/engine/k_table.py). What it drafts follows, a table of zeros idles the drafter,
+    a table vLLM refuses is refused across the process boundary and the live one stays."""
+    draft = init_draft(toy_target, "eagle3", tmp_path / "head", seed=0)
+    engine = start_engine(toy_target, draft, k=5, k_schedule=[(1, 64, 3)], in_process=False)
+    try:
+        assert not engine.in_process
+        prompts = toy_prompts(toy_target, 8)
+        _, d = drafted(engine, prompts)
+        assert d[0] > 0 and d[:3] == [d[0]] * 3 and d[3:] == [0, 0]
+        engine.set_k_schedule([(1, 4, 5), (5, 64, 1)])
+        _, d = drafted(engine, prompts)
+        assert d[0] > d[1] == d[2] == d[3] == d[4] > 0  # the 8-sequence steps drafted 1, the tail 5
+        engine.set_k_schedule([(1, 64, 0)])
+        assert engine.drafter_idle
+        before = engine.drafter_idle_steps()
+        res, _ = drafted(engine, prompts)
+        assert res.acceptance.drafts == 0 and engine.drafter_idle_steps() - before >= 16
+        with pytest.raises(Exception, match="start at 1"):
+            engine.set_k_schedule([(2, 64, 1)])
+        assert engine.k_schedule == [(1, 64, 0)] and engine.drafter_idle
+        # read back from the engine core itself (no schedule: nothing changes)
+        state = engine.llm.llm_engine.engine_core.call_utility(k_table.CORE_METHOD, None, True, False)
+        assert state == {"rows": [[1, 64, 0]], "k_max": 5, "max_num_seqs": 64, "idle": True}
+    finally:
+        stop_engine(engine)

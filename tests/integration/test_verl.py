@@ -31,7 +31,9 @@ def test_verl_grpo_with_the_draft_adapted(toy_target, tmp_path):
     out = tmp_path / "verl"
     proc = subprocess.run(
         [sys.executable, "recipes/verl_grpo_toy.py", "--out", str(out), "--steps", "2", "--toy", str(toy_target),
-         "--draft", str(draft), "--prompts", "8", "--arms", "adapted", "--replicas", "2", "schedule.train_steps=2",
+         "--draft", str(draft), "--prompts", "8", "--arms", "adapted", "--replicas", "2",
+         # an untrained head pays nowhere: online k would step aside (test_verl_online_k_steps_aside)
+         "--k-policy", "fixed", "schedule.train_steps=2",
          "schedule.max_train_steps=0", "schedule.max_share=0", "train.warmup_steps=0",
          "train.batch_size=8", "schedule.min_sequences=8", "validation.max_heldout=8"],
         capture_output=True, text=True, timeout=1500, cwd=REPO)
@@ -64,3 +66,38 @@ def test_verl_grpo_with_the_draft_adapted(toy_target, tmp_path):
     # nothing went through a file: no policy tap, no status files, only the adapter's own store
     assert sorted(p.name for p in (out / "adapted" / "draftadapt").iterdir()) == ["drafts"]
     assert not list(out.rglob("policy_tap*")) and not list(out.rglob("*status*"))
+
+
+def test_verl_online_k_steps_aside(toy_target, tmp_path):
+    """Online k in verl's rollout servers: vLLM starts at k_max with a per-batch-size table, the
+    first boundary calibrates on the step's prompts through the server's own generate, and the
+    table it writes into the server's engine core (draftadapt/engine/k_table.py) is what step 2
+    drafts with. A margin no draft can beat stands in for a draft that pays nowhere: the table
+    drafts at no batch size, the drafter idles, step 2 drafts nothing, and the boundary is paused
+    (no round) while the adapter's simulated acceptance keeps watch."""
+    draft = init_draft(toy_target, "eagle3", tmp_path / "draft0", seed=0)
+    out = tmp_path / "verl"
+    proc = subprocess.run(
+        [sys.executable, "recipes/verl_grpo_toy.py", "--out", str(out), "--steps", "2", "--toy", str(toy_target),
+         "--draft", str(draft), "--prompts", "4", "--arms", "adapted", "--online-k", "margin=10",
+         "--online-k", "batch_sizes=[1,16]", "--online-k", "calibrate_tokens=8", "--online-k", "repeats=1",
+         "train.batch_size=8", "schedule.min_sequences=8", "validation.max_heldout=8"],
+        capture_output=True, text=True, timeout=1500, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+    arm = json.loads((out / "summary.json").read_text())["arms"]["adapted"]
+    rows = [json.loads(x)["data"] for x in (out / "adapted" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2
+    # step 1 drafted at the starting table (k=3 everywhere), then the first boundary calibrated
+    assert 1.0 <= arm["acceptance_length_per_step"][0] <= 4.0
+    assert rows[0]["draftadapt/k/calibrate_s"] > 0 and rows[0]["draftadapt/k/max"] == 0.0
+    assert rows[0]["draftadapt/k/drafter_idle"] == 1.0 and rows[1]["draftadapt/k/drafter_idle"] == 1.0
+    # step 2 drafted nothing: no verify step in the server's counters, none in verl's metric
+    assert "draftadapt/accept/length" not in rows[1]
+    assert arm["acceptance_length_per_step"][1] == 0.0  # verl's figure where no request drafted
+    # the adapter trained nothing nobody serves: paused at both boundaries, watching by simulation
+    for r in rows:
+        assert r["draftadapt/adapt/paused"] == 1.0 and 1.0 <= r["draftadapt/accept/simulated_live"] <= 4.0
+        assert r.get("draftadapt/adapt/published", 0.0) == 0.0
+    assert arm["online_k"]["k_max_per_step"] == [0.0, 0.0]
+    store = sorted(p.name for p in (out / "adapted" / "draftadapt" / "drafts").glob("v*"))
+    assert len(store) == 1, store  # the starting draft only

@@ -73,6 +73,16 @@ def test_a_paused_boundary_observes_and_scores_the_served_draft_but_trains_none(
     assert "adapter.run_round" in calls and "adapter.simulate_live" not in calls
 
 
+def test_a_paused_background_boundary_reports_what_it_simulated_and_leaves_no_round_due():
+    calls, engines, adapter = engines_and_adapter()
+    b = StepBoundary(adapter, engines[0], background=True)
+    b.paused = True
+    res = b.after_update(["r"], sampled_version=0, weights={}, version=1)
+    assert res.metrics["adapt/paused"] == 1.0 and res.metrics["accept/simulated_live"] == 1.25
+    b.before_generate()
+    assert "adapter.start_round" not in calls
+
+
 def test_asynchronous_split_and_no_adapter():
     calls, engines, adapter = engines_and_adapter()
     b = StepBoundary(adapter, engines[0])

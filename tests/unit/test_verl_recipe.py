@@ -61,3 +61,36 @@ def test_only_the_speculating_arms_serve_a_draft(recipe, tmp_path):
         assert "trainer.n_gpus_per_node=2" in over and "+ray_kwargs.ray_init.num_gpus=2" in over
         # one FSDP rank per replica: each rank's micro-batch is its share of the step's 64 x 4
         assert "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=128" in over
+
+
+def test_the_adapted_arm_starts_vllm_with_a_k_table_for_online_k(recipe, tmp_path):
+    import json
+
+    paths = {"draft": tmp_path / "draft", "policy": tmp_path / "policy"}
+
+    def spec_of(over):
+        [line] = [o for o in over if "speculative_config" in o]
+        return json.loads(line.split("=", 1)[1].strip("'"))
+
+    over = recipe.verl_overrides(recipe.VerlToyConfig(arm="adapted", online_k=("step_aside=false",)), paths,
+                                 tmp_path, tmp_path / "a")
+    spec = spec_of(over)
+    assert spec["num_speculative_tokens"] == 5 and spec["num_speculative_tokens_per_batch_size"] == [[1, 256, 3]]
+    assert "+actor_rollout_ref.rollout.engine_kwargs.vllm.per_request_spec_decode_metrics=detailed" in over
+    assert "+draftadapt.k_policy=auto" in over and "+draftadapt.online_k.step_aside=false" in over
+    fixed = recipe.verl_overrides(recipe.VerlToyConfig(arm="adapted", k_policy="fixed"), paths, tmp_path, tmp_path / "a")
+    assert spec_of(fixed)["num_speculative_tokens"] == 3 and "num_speculative_tokens_per_batch_size" not in spec_of(fixed)
+    frozen = recipe.verl_overrides(recipe.VerlToyConfig(arm="frozen"), paths, tmp_path, tmp_path / "f")
+    assert spec_of(frozen)["num_speculative_tokens"] == 3  # verl's own trainer at k
+
+
+def test_the_summary_compares_arms_per_generated_token(recipe):
+    # adapted: longer replies, slower steps; per token it is the cheaper one
+    arms = {"adapted": _rows([99, 12, 12], [90, 6, 6], extra={i: {"response_length/mean": 60.0} for i in range(3)}),
+            "plain": _rows([99, 10, 10], [90, 5, 5], extra={i: {"response_length/mean": 40.0} for i in range(3)})}
+    s = recipe.summarize(arms, steps=3, batch=8)
+    a, p = s["arms"]["adapted"], s["arms"]["plain"]
+    assert a["mean_reply_tokens"] == 60.0 and p["mean_reply_tokens"] == 40.0
+    assert a["gen_ms_per_token"] == pytest.approx(1e3 * 12 / (2 * 60 * 8))
+    assert s["gen_per_token_adapted_over_plain"] == pytest.approx((6 / 60) / (5 / 40))
+    assert s["step_per_token_adapted_over_plain"] == pytest.approx((12 / 60) / (10 / 40))

@@ -304,29 +304,50 @@ def _trl_value_head() -> None:
 
 
 class _SpecStats:
-    """What verl reads of a request's speculative counters (``vllm_async_server.py``)."""
+    """What verl reads of a request's speculative counters (``vllm_async_server.py``), and per
+    draft position what online k reads: the drafts accepted at each position (from the
+    histogram: a verify step that accepted j tokens accepted positions 0..j-1) and, where vLLM
+    kept the per-step record (``per_request_spec_decode_metrics=detailed``), the drafts that
+    reached each position (a k table drafts different k at different batch sizes)."""
 
     def __init__(self, m):
         hist = list(m.histogram)
         self.num_draft_tokens = int(m.num_draft_tokens)
         self.num_accepted_tokens = sum(j * c for j, c in enumerate(hist))
         self.num_verify_steps = sum(hist)
+        k = max(0, len(hist) - 1)
+        self.accepted_per_pos = [sum(hist[i + 1:]) for i in range(k)]
+        drafted = list(getattr(m, "per_step_drafted", None) or [])
+        self.drafted_per_pos = [sum(1 for d in drafted if d > i) for i in range(k)] if drafted else None
 
 
 # this process's speculative counters over finished requests since the last take_spec_counters():
 # the rollout server's own tally (its vLLM client makes every output here), so acceptance reaches
-# draftadapt's metrics without verl's MTP switch (docs/design.md, "verl on CPU")
-_SPEC = {"requests": 0, "drafts": 0, "accepted": 0, "verify_steps": 0, "length_sum": 0.0}
+# draftadapt's metrics without verl's MTP switch (docs/design.md, "verl on CPU"). Per position:
+# lists as long as the engine's k ("drafted_per_pos" None once a request came without its per-step record)
+_SPEC = {"requests": 0, "drafts": 0, "accepted": 0, "verify_steps": 0, "length_sum": 0.0,
+         "accepted_per_pos": [], "drafted_per_pos": []}
 _SPEC_LOCK = threading.Lock()
+
+
+def _fresh(value):
+    return [] if value is None or isinstance(value, list) else type(value)()
 
 
 def take_spec_counters(_server=None) -> dict:
     """The counters since the last call, reset (run in a rollout server through ``__ray_call__``)."""
     with _SPEC_LOCK:
-        out = dict(_SPEC)
+        out = {k: (list(v) if isinstance(v, list) else v) for k, v in _SPEC.items()}
         for k in _SPEC:
-            _SPEC[k] = type(_SPEC[k])()
+            _SPEC[k] = _fresh(_SPEC[k])
     return out
+
+
+def _add_per_pos(total: list | None, more: list | None) -> list | None:
+    if total is None or more is None:
+        return None
+    n = max(len(total), len(more))
+    return [a + b for a, b in zip(total + [0] * (n - len(total)), more + [0] * (n - len(more)))]
 
 
 def _tally(stats: _SpecStats) -> None:
@@ -337,6 +358,11 @@ def _tally(stats: _SpecStats) -> None:
         _SPEC["verify_steps"] += stats.num_verify_steps
         if stats.num_verify_steps:  # verl's per-request figure: 1 + accepted / verify steps
             _SPEC["length_sum"] += 1.0 + stats.num_accepted_tokens / stats.num_verify_steps
+        _SPEC["accepted_per_pos"] = _add_per_pos(_SPEC["accepted_per_pos"], stats.accepted_per_pos)
+        drafted = stats.drafted_per_pos
+        if drafted is None and not stats.num_verify_steps:
+            drafted = [0] * len(stats.accepted_per_pos)  # drafted nothing: nothing unknown
+        _SPEC["drafted_per_pos"] = _add_per_pos(_SPEC["drafted_per_pos"], drafted)
 
 
 def bridge_spec_stats() -> None:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from draftadapt.integrations.verl import VerlWorkerCall
+from draftadapt.metrics.acceptance import AcceptanceStats
 from draftadapt.integrations.verl.handover import served
 
 log = logging.getLogger(__name__)
@@ -34,27 +35,31 @@ RPC_TIMEOUT_S = 600.0  # a swap or read-back on every worker of one server
 # ---------------------------------------------------------------------- in the server actor
 
 
-def _rpc(server, method: str, *args) -> list[dict]:
-    """``method`` on every worker of every engine ``server``'s vLLM client manages; their results.
-    Runs in the server actor (``__ray_call__`` runs it off the actor's event loop, which the
-    client's sockets belong to: the call is handed to that loop)."""
+def _utility(server, method: str, *args) -> list:
+    """``EngineCore.method(*args)`` on every engine ``server``'s vLLM client manages; their
+    results, one per engine. Runs in the server actor (``__ray_call__`` runs it off the actor's
+    event loop, which the client's sockets belong to: the call is handed to that loop)."""
     engine = getattr(server, "engine", None)
     if engine is None:
         return []  # a server with no engine client of its own (a headless node of a replica)
     handler = getattr(engine, "output_handler", None)
     if handler is None:
         raise RuntimeError("verl's rollout server has not started its vLLM engine's output loop; "
-                           "draftadapt calls its workers only after verl launched the server")
+                           "draftadapt calls its engines only after verl launched the server")
     client = engine.engine_core
     call_all = getattr(client, "call_utility_all_async", None)
     if call_all is not None:
-        coro = call_all("collective_rpc", method, None, args, None)
+        coro = call_all(method, *args)
     else:
         async def one_engine():
-            return [await client.collective_rpc_async(method, None, args, None)]
+            return [await client.call_utility_async(method, *args)]
         coro = one_engine()
-    per_engine = asyncio.run_coroutine_threadsafe(coro, handler.get_loop()).result(RPC_TIMEOUT_S)
-    return [w for workers in per_engine for w in workers]
+    return asyncio.run_coroutine_threadsafe(coro, handler.get_loop()).result(RPC_TIMEOUT_S)
+
+
+def _rpc(server, method: str, *args) -> list[dict]:
+    """``method`` on every worker of every engine ``server``'s vLLM client manages; their results."""
+    return [w for workers in _utility(server, "collective_rpc", method, None, args, None) for w in workers]
 
 
 def _name(server) -> str:
@@ -102,6 +107,14 @@ def server_tap_policy(server, path: str) -> list[dict]:
     return _rpc(server, VerlWorkerCall.TAP_POLICY, path)
 
 
+def server_k_table(server, schedule, idle_drafter: bool) -> list[dict]:
+    """Every engine's k table set in its engine-core process (``schedule`` None: read only);
+    each engine's state (draftadapt/engine/k_table.py)."""
+    from draftadapt.engine import k_table
+
+    return _utility(server, k_table.CORE_METHOD, schedule, idle_drafter, False)
+
+
 # ---------------------------------------------------------------------- in the trainer
 
 
@@ -127,6 +140,32 @@ class VerlServer:
         self.status = _OnServer(server, server_status)
         self.tap_policy = _OnServer(server, server_tap_policy)
         self.spec_counters = _OnServer(server, server_spec_counters)
+        self.k_table = _OnServer(server, server_k_table)
+
+
+def counters_to_acceptance(tallies: list[dict], k: int | None = None) -> tuple[AcceptanceStats | None, dict[str, float]]:
+    """Servers' tallies (``take_spec_counters``) summed: (per-position ``AcceptanceStats``, or
+    None where nothing drafted or a per-position record is missing; verl-style metrics)."""
+    total: dict[str, Any] = {}
+    for t in tallies:
+        for key, v in t.items():
+            if isinstance(v, list) or v is None:
+                have = total.get(key, [])
+                total[key] = None if have is None or v is None else [
+                    a + b for a, b in zip(have + [0] * (len(v) - len(have)), v + [0] * (len(have) - len(v)))]
+            else:
+                total[key] = total.get(key, 0) + v
+    if not total.get("verify_steps"):
+        return None, {}
+    metrics = {"accept/length": 1.0 + total["accepted"] / total["verify_steps"],
+               "accept/length_per_request": total["length_sum"] / total["requests"],
+               "accept/requests": float(total["requests"]), "accept/drafts": float(total["drafts"])}
+    per, drafted = total.get("accepted_per_pos"), total.get("drafted_per_pos")
+    if not per or not drafted:
+        return None, metrics
+    n = max(len(per), len(drafted), k or 0)
+    pad = lambda v: list(v) + [0] * (n - len(v))  # noqa: E731
+    return AcceptanceStats(n, int(total["verify_steps"]), pad(per), int(total["drafts"]), pad(drafted)), metrics
 
 
 def _servers(replicas) -> list:
@@ -175,19 +214,88 @@ class VerlEngines:
         """Every worker's served draft version and their skew (:func:`~draftadapt.integrations.verl.handover.served`)."""
         return served([w for st in self.fleet.status() for w in st["workers"]])
 
-    def acceptance(self) -> dict[str, float]:
+    def take_acceptance(self) -> tuple[Any, dict[str, float]]:
         """The speculative counters of every finished request since the last call, over every
-        server: ``accept/length`` (tokens per verify step, draftadapt's figure),
+        server, taken (reset there): (an ``AcceptanceStats`` per draft position, for online k;
+        None when nothing drafted or a server kept no per-position record) and the metrics
+        ``accept/length`` (tokens per verify step, draftadapt's figure),
         ``accept/length_per_request`` (verl's: the mean over requests of 1 + accepted / steps)."""
         import ray
 
-        tallies = ray.get([a.spec_counters.remote() for a in self.fleet.actors])
-        total = {k: sum(t[k] for t in tallies) for k in tallies[0]} if tallies else {}
-        if not total.get("verify_steps"):
-            return {}
-        return {"accept/length": 1.0 + total["accepted"] / total["verify_steps"],
-                "accept/length_per_request": total["length_sum"] / total["requests"],
-                "accept/requests": float(total["requests"]), "accept/drafts": float(total["drafts"])}
+        return counters_to_acceptance(ray.get([a.spec_counters.remote() for a in self.fleet.actors]))
+
+    def acceptance(self) -> dict[str, float]:
+        """The metrics of :meth:`take_acceptance`."""
+        return self.take_acceptance()[1]
+
+    # ---- online k: the k table in every server's engine cores (draftadapt/engine/k_table.py)
+
+    def k_table(self, schedule=None, idle_drafter: bool = True) -> dict[str, Any]:
+        """Every server's engines set to ``schedule`` (None: read only); their common state
+        {"rows", "k_max", "max_num_seqs", "idle"}. ValueError (from the engine core) where an
+        engine was started without a per-batch-size table; RuntimeError where they disagree."""
+        import ray
+
+        states = [st for per in ray.get([a.k_table.remote(schedule, idle_drafter) for a in self.fleet.actors])
+                  for st in per]
+        if not states:
+            raise RuntimeError("no rollout server answered: verl has not launched its servers yet")
+        shapes = {(st["k_max"], st["max_num_seqs"]) for st in states}
+        if len(shapes) > 1:
+            raise RuntimeError(f"verl's rollout engines disagree on (k_max, max_num_seqs): {sorted(shapes)}; "
+                               "online k keeps one table for all of them")
+        first = states[0]
+        self._k = {"rows": [tuple(r) for r in first["rows"]], "k_max": int(first["k_max"]),
+                   "max_num_seqs": int(first["max_num_seqs"]), "idle": all(st["idle"] for st in states)}
+        return dict(self._k)
+
+    def _k_state(self) -> dict[str, Any]:
+        if getattr(self, "_k", None) is None:
+            self.k_table()
+        return self._k
+
+    @property
+    def k_schedule(self) -> list[tuple[int, int, int]]:
+        return list(self._k_state()["rows"])
+
+    @property
+    def k(self) -> int:
+        return self._k_state()["k_max"]
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self._k_state()["max_num_seqs"]
+
+    @property
+    def drafter_idle(self) -> bool:
+        return self._k_state()["idle"]
+
+    def set_k_schedule(self, schedule, idle_drafter: bool = True) -> None:
+        self.k_table([tuple(int(v) for v in r) for r in schedule], idle_drafter)
+
+    def generate(self, prompts, temperature: float = 1.0, max_tokens: int = 32, seed: int = 0, **_):
+        """``prompts`` (token id lists) on the first server alone, all at once, as verl's agent
+        loop sends them (its ``generate``): what online k's calibration times. A
+        ``GenerateResult`` with that server's counters of these requests."""
+        import uuid
+
+        import ray
+
+        from draftadapt.engine.rollout import GenerateResult, Rollout
+
+        actor = self.fleet.actors[0]
+        server = actor.handle
+        ray.get(actor.spec_counters.remote())  # what finished before is not these requests'
+        t0 = time.perf_counter()
+        refs = [server.generate.remote(prompt_ids=list(p), request_id=f"draftadapt-k-{uuid.uuid4().hex}",
+                                       sampling_params={"temperature": float(temperature), "max_tokens": int(max_tokens),
+                                                        "seed": int(seed) + i})
+                for i, p in enumerate(prompts)]
+        outs = ray.get(refs)
+        seconds = time.perf_counter() - t0
+        acceptance, _ = counters_to_acceptance([ray.get(actor.spec_counters.remote())], k=self.k)
+        rollouts = [Rollout(list(p), list(o.token_ids), "", None, o.stop_reason) for p, o in zip(prompts, outs)]
+        return GenerateResult(rollouts, acceptance if acceptance is not None else AcceptanceStats(self.k), seconds)
 
     def tap_policy(self, path: Path) -> None:
         """The fallback: replica 0's first worker writes each policy verl's sync brings to ``path``."""

@@ -127,6 +127,8 @@ class DraftAdaptPPOTrainer(PPOTrainerSync):
         self._da_refs: list = []
         self._da_rollouts: list | None = None
         self._da_metrics: dict[str, float] = {}
+        self._da_online = self._da_online_k(da)  # an OnlineKConfig, or None (fixed k)
+        self._da_k = None  # the OnlineK, calibrated at the first boundary
 
     def _da_settings(self) -> dict:
         """``+draftadapt.*`` from verl's config, checked: the draft, the store, and (the draft
@@ -151,6 +153,59 @@ class DraftAdaptPPOTrainer(PPOTrainerSync):
                               "environment; set it, or pass +draftadapt.handover=false (the adapter then forwards "
                               "its own policy copy, read from a file replica 0 writes)")
         return da
+
+    def _da_online_k(self, da):
+        """``+draftadapt.k_policy`` (auto, online, fixed) and ``+draftadapt.online_k`` (OnlineKConfig's
+        fields): online k where the rollout's speculative_config starts vLLM with a per-batch-size
+        k table (``num_speculative_tokens_per_batch_size``; "auto": only there). Online k reads
+        each draft position's counters from vLLM's per-request record, kept at
+        ``per_request_spec_decode_metrics=detailed``."""
+        import json
+
+        from omegaconf import OmegaConf
+
+        from draftadapt.config import ConfigError, load_config
+        from draftadapt.online_k import OnlineKConfig
+
+        policy = str(da.get("k_policy", "auto"))
+        if policy not in ("auto", "online", "fixed"):
+            raise ConfigError(f"+draftadapt.k_policy={policy}: choose auto, online or fixed")
+        vllm_kwargs = OmegaConf.select(self.config, "actor_rollout_ref.rollout.engine_kwargs.vllm") or {}
+        spec = vllm_kwargs.get("speculative_config") or {}
+        if isinstance(spec, str):
+            spec = json.loads(spec)
+        has_table = bool(dict(spec).get("num_speculative_tokens_per_batch_size"))
+        if policy == "fixed" or (policy == "auto" and not has_table):
+            if policy == "auto" and spec:
+                log.info("draftadapt: fixed k (the rollout's speculative_config has no "
+                         "num_speculative_tokens_per_batch_size; give it [[1, MAX_NUM_SEQS, K]] for online k)")
+            return None
+        key = "actor_rollout_ref.rollout.engine_kwargs.vllm"
+        if not has_table:
+            raise ConfigError(f"+draftadapt.k_policy=online needs vLLM started with a per-batch-size k table: "
+                              f"give {key}.speculative_config num_speculative_tokens=K_MAX and "
+                              "num_speculative_tokens_per_batch_size=[[1, MAX_NUM_SEQS, K]]")
+        if vllm_kwargs.get("per_request_spec_decode_metrics") != "detailed":
+            raise ConfigError(f"+draftadapt.k_policy={policy} reads each draft position's counters: pass "
+                              f"+{key}.per_request_spec_decode_metrics=detailed (or +draftadapt.k_policy=fixed)")
+        online = da.get("online_k") or {}
+        overrides = [f"{k}={json.dumps(OmegaConf.to_container(v) if OmegaConf.is_config(v) else v)}"
+                     for k, v in dict(online).items()]
+        return load_config(OnlineKConfig, None, overrides)
+
+    def _da_follow_k(self, res, m: dict) -> None:
+        """Online k after the boundary (as the demo and the TRL recipe): a new draft starts from
+        the acceptance its adapter simulated; while the drafter idles, the simulated acceptance of
+        the draft it would serve says when a draft pays again."""
+        adapter = self._da_boundary.adapter
+        if self._da_k is None or adapter is None:
+            return
+        k = adapter.cfg.k
+        sim = adapter.simulated_length(res.swap.version) if res.swap is not None else None
+        if sim is not None:
+            m.update(self._da_k.new_draft(self._da_engines, sim, k))
+        elif self._da_boundary.paused and "accept/simulated_live" in res.metrics:
+            m.update(self._da_k.simulated(self._da_engines, res.metrics["accept/simulated_live"], k))
 
     def _da_arm_tap(self, why: str) -> None:
         """The fallback (module docstring), said in the log."""
@@ -184,7 +239,7 @@ class DraftAdaptPPOTrainer(PPOTrainerSync):
         return out
 
     def _update_actor(self, batch, metrics: dict):
-        if self._da_adapt:
+        if self._da_adapt or (self._da_online is not None and self._da_k is None):  # online k calibrates on them
             import transfer_queue as tq
 
             data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id,
@@ -200,16 +255,23 @@ class DraftAdaptPPOTrainer(PPOTrainerSync):
         return super()._update_actor(batch, metrics)
 
     def on_step_end(self):
-        if self._da_rollouts is not None and not self._da_refs and self._da_tap is None:
+        if self._da_adapt and self._da_rollouts is not None and not self._da_refs and self._da_tap is None:
             self._da_arm_tap("the log-prob pass handed nothing over: verl's bypass mode, or an engine other "
                              f"than draftadapt's (VERL_ENGINE_VENDOR={VENDOR})")
         super().on_step_end()  # verl's weight sync: the new policy into every replica
-        if self._da_rollouts is None:
-            return
         t0 = time.perf_counter()
+        acceptance, m = self._da_engines.take_acceptance()  # this step's generation, every server
+        m = {f"draftadapt/{k}": v for k, v in m.items()}
+        if self._da_online is not None:
+            m.update(self._da_step_k(acceptance))
+        if self._da_rollouts is None or not self._da_adapt:
+            self._da_rollouts, self._da_refs = None, []
+            m.update(self._da_fleet_metrics())
+            m["draftadapt/boundary_s"] = time.perf_counter() - t0
+            self._da_metrics = m
+            return
         version = self.global_steps
         rollouts, handed, weights = self._da_rollouts, None, None
-        m: dict[str, float] = {}
         if self._da_refs:
             payloads = ray.get(self._da_refs)
             rollouts, handed = gather(payloads, self._da_rollouts)
@@ -223,10 +285,15 @@ class DraftAdaptPPOTrainer(PPOTrainerSync):
                                    "receives the actor's full weights on a CPU (not with LoRA or QAT, nor on a GPU, "
                                    "where verl's own receive path runs): hand over from verl's actor instead")
             weights = str(self._da_tap)
+        # no batch size drafts: the adapter trains nothing nobody serves (docs/design.md, "Stepping aside")
+        self._da_boundary.paused = self._da_k is not None and self._da_engines.drafter_idle
         res = self._da_boundary.after_update(rollouts, sampled_version=version - 1, weights=weights,
                                              version=version, handover=handed)
         self._da_rollouts, self._da_refs = None, []
         m.update({f"draftadapt/{k}": float(v) for k, v in res.metrics.items()})
+        follow: dict[str, float] = {}
+        self._da_follow_k(res, follow)
+        m.update({f"draftadapt/{k}": float(v) for k, v in follow.items()})
         m["draftadapt/adapter_s"] = res.adapter_s
         m["draftadapt/swaps"] = float(len(res.swaps))
         m.update(self._da_fleet_metrics())
@@ -234,6 +301,30 @@ class DraftAdaptPPOTrainer(PPOTrainerSync):
         m["draftadapt/boundary_s"] = time.perf_counter() - t0  # all of draftadapt's in verl's step, reads included
         self._da_metrics = m
 
+    def _da_step_k(self, acceptance) -> dict[str, float]:
+        """Online k at this boundary: the first one calibrates on the step's own prompts (its
+        time is in this step's ``draftadapt/boundary_s``), every later one re-chooses the table
+        from the step's counters."""
+        from draftadapt.online_k import OnlineK, schedule_text
+
+        out: dict[str, float] = {}
+        if self._da_k is None:
+            if not self._da_rollouts:
+                return out
+            prompts = [p for p, _ in self._da_rollouts]
+            servers = max(1, len(self._da_engines.fleet.actors))
+            rl_batch = -(-len(prompts) // servers)  # the requests each server starts a step with
+            rollout = self.config.actor_rollout_ref.rollout
+            self._da_k = OnlineK.calibrate(self._da_engines, prompts, self._da_online, float(rollout.temperature),
+                                           int(self.config.get("data", {}).get("seed", 0) or 0), rl_batch=rl_batch)
+            log.warning("draftadapt: online k: step costs measured in %.1f s, k table %s (batch sizes:k)",
+                        self._da_k.calibrate_s, schedule_text(self._da_engines.k_schedule))
+            out["k/calibrate_s"] = self._da_k.calibrate_s
+        elif acceptance is not None:
+            out.update(self._da_k.update(self._da_engines, acceptance))
+        out["k/drafter_idle"] = float(self._da_engines.drafter_idle)
+        out["k/max"] = float(max(k for _, _, k in self._da_engines.k_schedule))
+        return {f"draftadapt/{k}": float(v) for k, v in out.items()}
     def _da_fleet_metrics(self) -> dict[str, float]:
         """Every rollout worker's served draft version (-1: none of the store's yet), how many
         answered, their skew, the refusals so far, and the step's acceptance from every server."""
@@ -245,7 +336,6 @@ class DraftAdaptPPOTrainer(PPOTrainerSync):
         if known:
             m["draftadapt/draft_version"] = float(max(known))
         m["draftadapt/refused"] = float(len(self._da_engines.refused))
-        m.update({f"draftadapt/{k}": v for k, v in self._da_engines.acceptance().items()})
         return m
 
     def _consume_sync_metrics(self) -> dict:
