@@ -923,6 +923,12 @@ class DraftAdapter:
         heldout = self.replay.heldout()
         return self.targets.batches(heldout, self.cfg.train.batch_size) if heldout else None
 
+    def fresh_length(self) -> float | None:
+        """The simulated acceptance length at ``cfg.k`` of the newest draft this adapter
+        published, on the rollouts of its publish (the frozen draft's when the guard reverted
+        to it): what a fresh draft of this adapter accepts. None before any publish."""
+        return self._simulated[max(self._simulated)] if self._simulated else None
+
     def simulated_length(self, version: int) -> float | None:
         """The acceptance length at ``cfg.k`` this adapter simulated on held-out rollouts for the
         draft it published as ``version`` (what decided the publish); None for a version it did

@@ -173,14 +173,12 @@ class OnlineK:
         return {"k/idle_simulated_length": float(acceptance_length), "k/idle_rate": out["k/seeded_rate"],
                 "k/resumed": out["k/changed_on_swap"], "k/calibrate_s": self.calibrate_s}
 
-    def new_draft(self, engine, acceptance_length: float, k: int) -> dict[str, float]:
-        """Another draft serves in ``engine`` now: the counts of the one before no longer describe
-        it. Start from the rates of a draft whose every position is accepted with the same
-        conditional rate c, c chosen so a ``k``-token draft has ``acceptance_length`` (the
-        adapter's simulated length on held-out rollouts, ``DraftAdapter.simulated_length``),
-        weighted as ``prior_drafts`` drafts; re-choose and write the table."""
+    def _seeded(self, acceptance_length: float, k: int) -> tuple[float, AcceptanceStats]:
+        """The counts of a draft whose every position is accepted with the same conditional rate
+        c, c chosen so a ``k``-token draft has ``acceptance_length``, weighted as ``prior_drafts``
+        drafts; (c, counts)."""
         if not acceptance_length >= 1.0 or k < 1:
-            raise ValueError(f"new_draft needs an acceptance length >= 1 at k >= 1 (got {acceptance_length}, k={k})")
+            raise ValueError(f"a seeded draft needs an acceptance length >= 1 at k >= 1 (got {acceptance_length}, k={k})")
         target = min(acceptance_length - 1.0, float(k))
         lo, hi = 0.0, 1.0
         for _ in range(60):  # sum_{i=1..k} c^i is increasing in c: bisect
@@ -188,9 +186,40 @@ class OnlineK:
             lo, hi = (c, hi) if sum(c ** i for i in range(1, k + 1)) < target else (lo, c)
         c = (lo + hi) / 2
         n = float(self.prior_drafts)
-        self.counts = AcceptanceStats(self.k_max, n, [n * c ** (i + 1) for i in range(self.k_max)], n * self.k_max,
-                                      [n] * self.k_max)
+        return c, AcceptanceStats(self.k_max, n, [n * c ** (i + 1) for i in range(self.k_max)], n * self.k_max,
+                                  [n] * self.k_max)
+
+    def new_draft(self, engine, acceptance_length: float, k: int) -> dict[str, float]:
+        """Another draft serves in ``engine`` now: the counts of the one before no longer describe
+        it. Start from the rates of a draft whose every position is accepted with the same
+        conditional rate c, c chosen so a ``k``-token draft has ``acceptance_length`` (the
+        adapter's simulated length on held-out rollouts, ``DraftAdapter.simulated_length``),
+        weighted as ``prior_drafts`` drafts; re-choose and write the table."""
+        c, self.counts = self._seeded(acceptance_length, k)
         return {"k/seeded_rate": c, "k/changed_on_swap": float(self._write(engine))}
+
+    def would_pay(self, acceptance_length: float, k: int) -> bool:
+        """Whether a draft of ``acceptance_length`` at ``k`` (simulated) would draft at some batch
+        size: the table :meth:`choose` gives it (the RL-batch rule included), nothing written."""
+        saved = self.counts
+        try:
+            self.counts = self._seeded(acceptance_length, k)[1]
+            return any(kk for _, _, kk in self.choose())
+        finally:
+            self.counts = saved
+
+    def pause_adapter(self, engine, fresh_length: float | None, k: int) -> bool:
+        """Whether the adapter's round should wait (``StepBoundary.paused``): while the engine's
+        drafter idles, unless a draft as good as the adapter's newest was when it was published
+        (``fresh_length``: its simulated length then, ``DraftAdapter.fresh_length``) would
+        draft. Where no draft pays even fresh (a weak head, a CPU that speculation cannot pay
+        on) the adapter trains nothing nobody serves; where the served draft fell out of pay
+        because the policy moved, the rounds go on, since a fresh draft would serve
+        (docs/design.md, "Stepping aside"). Without a publish to go by (the starting draft),
+        paused while idle."""
+        if not getattr(engine, "drafter_idle", False):
+            return False
+        return fresh_length is None or not self.would_pay(fresh_length, k)
 
     def _write(self, engine) -> bool:
         """Write the current choice into ``engine`` if it differs from what it serves; True if it did.
@@ -318,29 +347,55 @@ class _Calibration:
         self.pool, self.bss, self.cfg, self.temperature, self.seed = pool, bss, cfg, temperature, seed
         self.points: list[tuple[int, int, float]] = []
         self.left: list[int] = []
+        self.first: dict[int, float] = {}  # call_seconds, per batch size
+
+    def _generate(self, engine, b: int, max_tokens: int):
+        # a collector pass over the host's heap inside a sub-second timing would land on
+        # whichever cell it hits
+        gc.collect()
+        gc.disable()
+        try:
+            return engine.generate(self.pool[:b], temperature=self.temperature, max_tokens=max_tokens, seed=self.seed)
+        finally:
+            gc.enable()
+
+    def call_seconds(self, engine) -> dict[int, float]:
+        """Per batch size, what a generation costs before its first decode step: the call, the
+        prefill and the first token (a one-token generation, drafter idle, fastest of
+        ``cfg.repeats``), measured once. Left in the step cost it would count once per call in
+        every step, and more per step the fewer steps a call takes: a k that accepts L tokens a
+        step takes 1/L of the steps, so a calibration of ``calibrate_tokens`` tokens charged
+        drafting more of it than an RL generation of a few hundred tokens pays (docs/design.md,
+        "Online k")."""
+        if not self.first:
+            engine.set_k_schedule([(1, engine.max_num_seqs, 0)])
+            for b in self.bss:
+                self.first[b] = min(self._generate(engine, b, 1).seconds for _ in range(self.cfg.repeats))
+        return self.first
 
     def measure(self, engine, ks: list[int], k_max: int) -> tuple[list[tuple[int, int, float]], AcceptanceStats]:
         """Step-cost points for ``ks`` at every batch size (the fastest of ``cfg.repeats``), and
-        the acceptance counts of the largest k's generations (the k_max ones give the rates)."""
+        the acceptance counts of the largest k's generations (the k_max ones give the rates).
+        A point is the generation's time less its :meth:`call_seconds`, over its decode steps:
+        ``calibrate_tokens - 1`` tokens a sequence at the k's acceptance length a step."""
         points, counts = [], AcceptanceStats(k_max)
+        first = self.call_seconds(engine)
         for k in ks:
             engine.set_k_schedule([(1, engine.max_num_seqs, k)])
             for b in self.bss:
                 best = None
                 for _ in range(self.cfg.repeats):
-                    # a collector pass over the host's heap inside a sub-second timing would
-                    # land on whichever cell it hits
-                    gc.collect()
-                    gc.disable()
-                    try:
-                        res = engine.generate(self.pool[:b], temperature=self.temperature,
-                                              max_tokens=self.cfg.calibrate_tokens, seed=self.seed)
-                    finally:
-                        gc.enable()
+                    res = self._generate(engine, b, self.cfg.calibrate_tokens)
                     if k == max(ks) and k > 0:
                         counts = counts + res.acceptance
                     if best is None or res.tokens_per_s > best.tokens_per_s:
                         best = res
                 length = best.acceptance.length if k else 1.0
-                points.append((k, b, step_seconds(b, best.tokens_per_s, length)))
+                decoded = best.num_tokens - b  # the first token of each sequence came with the prefill
+                net = best.seconds - first[b]
+                if decoded > 0 and net > 0:
+                    step = b * length * net / decoded
+                else:  # nothing decoded past the first token, or a timing below the call's own
+                    step = step_seconds(b, best.tokens_per_s, length)
+                points.append((k, b, step))
         return points, counts

@@ -200,7 +200,8 @@ class SpeculativeRollouts:
             rollouts, ho = [self._batch[i] for i in kept], ho.keep(kept)
             self._batch, self._keys = None, {}
         # no batch size drafts: the adapter trains nothing nobody serves (docs/design.md, "Stepping aside")
-        self._boundary.paused = self.online_k is not None and self.engine.drafter_idle
+        self._boundary.paused = (self.online_k is not None and self.adapter is not None and self.online_k.pause_adapter(
+            self.engine, self.adapter.fresh_length(), self.adapter.cfg.k))
         b = self._boundary.after_update(rollouts, sampled_version=self._batch_version, weights=weights,
                                         version=step, handover=ho, integrity=self.check_integrity)
         self._window.sync_s += time.perf_counter() - t0 - b.adapter_s

@@ -255,7 +255,8 @@ def sync_step(r: Run, boundary: StepBoundary, step: int) -> tuple[dict, list[dic
     row.update(metrics)
     handover_s = ho.seconds if ho is not None else 0.0
     # no batch size drafts: the adapter trains nothing nobody serves (docs/design.md, "Stepping aside")
-    boundary.paused = r.online_k is not None and r.spec_engine.drafter_idle
+    boundary.paused = (r.online_k is not None and r.adapter is not None
+                       and r.online_k.pause_adapter(r.spec_engine, r.adapter.fresh_length(), r.adapter.cfg.k))
     b = boundary.after_update(gen.rollouts, sampled_version=step, weights=weights, version=step + 1, handover=ho)
     row["stage/train_s"] = time.perf_counter() - t0 - handover_s - b.adapter_s
     row["stage/adapt_s"] = 0.0

@@ -218,6 +218,11 @@ def test_where_no_k_pays_at_the_rl_batch_no_batch_size_drafts():
     assert OnlineK(MODEL, 64, 5, counts=good, step_aside=True, rl_batch=32).choose() == table and k_at(table, 32) > 0
 
 
+def prefill_cost(b: int) -> float:
+    """A call's cost before its first decode step (the call, the prefill): several steps' worth."""
+    return 0.02 + 2e-3 * b
+
+
 class CostedEngine(RecordingEngine):
     """What OnlineK.calibrate touches of an engine, without vLLM: a step drafting k tokens for b
     sequences costs true_cost(k, b) seconds, position i is accepted with cumulative rate
@@ -229,6 +234,8 @@ class CostedEngine(RecordingEngine):
         self.generated = []  # (k, batch size) of every generation
 
     def generate(self, prompts, temperature, max_tokens, seed):
+        """A call costs a prefill (which gives each sequence its first token) and then its
+        decode steps, each ``length`` tokens a sequence."""
         from types import SimpleNamespace
 
         b, k = len(prompts), k_at(self.k_schedule, len(prompts))
@@ -237,7 +244,9 @@ class CostedEngine(RecordingEngine):
         acc = AcceptanceStats(self.k, n, [n * r if i < k else 0 for i, r in enumerate(self.rates)], n * k,
                               [n if i < k else 0 for i in range(self.k)])
         length = 1 + sum(self.rates[:k])
-        return SimpleNamespace(tokens_per_s=b * length / true_cost(k, b), acceptance=acc)
+        seconds = prefill_cost(b) + (max_tokens - 1) / length * true_cost(k, b)
+        return SimpleNamespace(tokens_per_s=b * max_tokens / seconds, seconds=seconds, num_tokens=b * max_tokens,
+                               acceptance=acc)
 
     @property
     def drafter_idle(self):
@@ -257,6 +266,10 @@ def test_a_calibration_stops_early_where_no_k_can_pay_and_finishes_when_a_draft_
     whole = OnlineK.calibrate(CostedEngine(weak), ["p"] * 4, OnlineKConfig(batch_sizes=[1, 8, 32, 64], repeats=1,
                                                                            early_stop=False), rl_batch=32)
     assert whole.pending is None and whole.choose() == [(1, 64, 0)]
+    # the steps are the engine's own: the calls' prefill is not folded into them
+    for k in range(6):
+        for i, b in enumerate(whole.model.batch_sizes):
+            assert step_cost(whole.model, k, b) == pytest.approx(true_cost(k, b), rel=1e-6)
     # the draft it would serve turns good (its simulated length, and the engine's own rates): the
     # left-out k are measured before any table drafts, their generations' counts folded in
     engine.rates = [0.99, 0.97, 0.95, 0.93, 0.9]
@@ -296,6 +309,24 @@ def test_positions_the_table_stopped_drafting_are_extrapolated_not_kept_stale():
     assert first.rates == pytest.approx([0.8, 0.64, 0.512, 0.4096, 0.32768])
     # nothing drafted yet: no rates to extrapolate from
     assert all(math.isnan(r) for r in OnlineK(MODEL, 64, 5).rates)
+
+
+def test_the_adapter_pauses_only_where_even_a_fresh_draft_would_not_pay():
+    """Idle because no draft pays here (a weak head): the rounds wait. Idle because the served
+    draft fell behind a moving policy, while the adapter's drafts were worth drafting when
+    published: the rounds go on, since a fresh one would serve."""
+    online = OnlineK(MODEL, 64, 5, counts=stats([0, 0, 0, 0, 0], [100] * 5, 100), step_aside=True, rl_batch=32)
+    engine = IdlingEngine([(1, 64, 0)])
+    online.update(engine, stats([0, 0, 0, 0, 0], [100] * 5, 100))
+    assert engine.drafter_idle
+    saved = online.counts
+    assert not online.would_pay(1.05, 3) and online.would_pay(3.4, 3)
+    assert online.counts is saved and engine.drafter_idle  # asking changes nothing
+    assert online.pause_adapter(engine, None, 3)  # no publish yet: the starting draft decides
+    assert online.pause_adapter(engine, 1.05, 3)  # a weak head: nothing it trains would serve
+    assert not online.pause_adapter(engine, 3.4, 3)  # drifted out of pay: train the fresh one
+    online.simulated(engine, 3.4, 3)
+    assert not engine.drafter_idle and not online.pause_adapter(engine, 1.05, 3)  # drafting: never paused
 
 
 def test_a_new_draft_starts_from_its_simulated_acceptance():

@@ -286,7 +286,9 @@ class DraftAdaptPPOTrainer(PPOTrainerSync):
                                    "where verl's own receive path runs): hand over from verl's actor instead")
             weights = str(self._da_tap)
         # no batch size drafts: the adapter trains nothing nobody serves (docs/design.md, "Stepping aside")
-        self._da_boundary.paused = self._da_k is not None and self._da_engines.drafter_idle
+        adapter = self._da_boundary.adapter
+        self._da_boundary.paused = self._da_k is not None and self._da_k.pause_adapter(
+            self._da_engines, adapter.fresh_length(), adapter.cfg.k)
         res = self._da_boundary.after_update(rollouts, sampled_version=version - 1, weights=weights,
                                              version=version, handover=handed)
         self._da_rollouts, self._da_refs = None, []
