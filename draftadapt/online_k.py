@@ -293,16 +293,25 @@ class OnlineK:
         done = False
         try:
             head = list(range(min(k_max, 2) + 1))  # k = 0, 1, 2
-            first, counts2 = plan.measure(engine, head, k_max)
+            longer = [(k, b) for k in range(3, k_max + 1) for b in bss]
             # the bound holds where it is computed: only at the RL batch's own size (measured when
-            # the calibration sizes reach it), not extrapolated from a smaller one
-            stop = (cfg.early_stop and cfg.step_aside and rl_batch is not None and k_max > 2
-                    and bss[-1] == cap and _no_k_pays(first, counts2, cap))
-            if stop:
-                points, counts, plan.left = first, counts2, list(range(3, k_max + 1))
+            # the calibration sizes reach it), not extrapolated from a smaller one. That size is
+            # measured first: where no k pays there, no size drafts (``choose``), and the other
+            # sizes wait with the longer k (on verl's toy at 256 sequences a server, the smaller
+            # sizes were ~half of a 120 s calibration that chose no draft)
+            if cfg.early_stop and cfg.step_aside and rl_batch is not None and k_max > 2 and bss[-1] == cap:
+                first, counts2 = plan.measure(engine, [(k, cap) for k in head], k_max)
+                others = [(k, b) for k in head for b in bss if b != cap]
+                if _no_k_pays(first, counts2, cap):
+                    points, counts, plan.left = first, counts2, others + longer
+                else:
+                    more = plan.measure(engine, others, k_max)[0] if others else []
+                    rest, counts = plan.measure(engine, longer, k_max)
+                    points = first + more + rest
             else:
-                rest, counts = plan.measure(engine, list(range(3, k_max + 1)), k_max)
-                points, counts = first + rest, (counts if k_max > 2 else counts2)
+                first, counts2 = plan.measure(engine, [(k, b) for k in head for b in bss], k_max)
+                rest, counts = plan.measure(engine, longer, k_max) if longer else ([], counts2)
+                points = first + rest
             plan.points = points
             online = cls(fit_step_costs(points), engine.max_num_seqs, k_max, cfg.decay, counts, cfg.margin,
                          cfg.min_reach, cfg.prior_drafts, cfg.step_aside, rl_batch)
@@ -346,7 +355,7 @@ class _Calibration:
     def __init__(self, pool: list, bss: list[int], cfg: OnlineKConfig, temperature: float, seed: int):
         self.pool, self.bss, self.cfg, self.temperature, self.seed = pool, bss, cfg, temperature, seed
         self.points: list[tuple[int, int, float]] = []
-        self.left: list[int] = []
+        self.left: list[tuple[int, int]] = []  # (k, batch size) cells an early stop left out
         self.first: dict[int, float] = {}  # call_seconds, per batch size
 
     def _generate(self, engine, b: int, max_tokens: int):
@@ -359,34 +368,38 @@ class _Calibration:
         finally:
             gc.enable()
 
-    def call_seconds(self, engine) -> dict[int, float]:
+    def call_seconds(self, engine, bss: list[int]) -> dict[int, float]:
         """Per batch size, what a generation costs before its first decode step: the call, the
         prefill and the first token (a one-token generation, drafter idle, fastest of
-        ``cfg.repeats``), measured once. Left in the step cost it would count once per call in
-        every step, and more per step the fewer steps a call takes: a k that accepts L tokens a
-        step takes 1/L of the steps, so a calibration of ``calibrate_tokens`` tokens charged
-        drafting more of it than an RL generation of a few hundred tokens pays (docs/design.md,
-        "Online k")."""
-        if not self.first:
+        ``cfg.repeats``), measured once a size. Left in the step cost it would count once per
+        call in every step, and more per step the fewer steps a call takes: a k that accepts L
+        tokens a step takes 1/L of the steps, so a calibration of ``calibrate_tokens`` tokens
+        charged drafting more of it than an RL generation of a few hundred tokens pays
+        (docs/design.md, "Online k")."""
+        missing = [b for b in bss if b not in self.first]
+        if missing:
             engine.set_k_schedule([(1, engine.max_num_seqs, 0)])
-            for b in self.bss:
+            for b in missing:
                 self.first[b] = min(self._generate(engine, b, 1).seconds for _ in range(self.cfg.repeats))
         return self.first
 
-    def measure(self, engine, ks: list[int], k_max: int) -> tuple[list[tuple[int, int, float]], AcceptanceStats]:
-        """Step-cost points for ``ks`` at every batch size (the fastest of ``cfg.repeats``), and
-        the acceptance counts of the largest k's generations (the k_max ones give the rates).
-        A point is the generation's time less its :meth:`call_seconds`, over its decode steps:
-        ``calibrate_tokens - 1`` tokens a sequence at the k's acceptance length a step."""
+    def measure(self, engine, cells: list[tuple[int, int]], k_max: int) -> tuple[list[tuple[int, int, float]], AcceptanceStats]:
+        """Step-cost points for the (k, batch size) ``cells`` (the fastest of ``cfg.repeats``
+        each), and the acceptance counts of the generations at the largest k among them (the
+        k_max ones give the rates). A point is the generation's time less its
+        :meth:`call_seconds`, over its decode steps: ``calibrate_tokens - 1`` tokens a sequence
+        at the k's acceptance length a step."""
         points, counts = [], AcceptanceStats(k_max)
-        first = self.call_seconds(engine)
-        for k in ks:
+        cells = sorted(set(cells))
+        first = self.call_seconds(engine, sorted({b for _, b in cells}))
+        top = max(k for k, _ in cells)
+        for k in sorted({k for k, _ in cells}):
             engine.set_k_schedule([(1, engine.max_num_seqs, k)])
-            for b in self.bss:
+            for b in [b for kk, b in cells if kk == k]:
                 best = None
                 for _ in range(self.cfg.repeats):
                     res = self._generate(engine, b, self.cfg.calibrate_tokens)
-                    if k == max(ks) and k > 0:
+                    if k == top and k > 0:
                         counts = counts + res.acceptance
                     if best is None or res.tokens_per_s > best.tokens_per_s:
                         best = res

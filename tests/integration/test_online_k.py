@@ -127,7 +127,9 @@ def test_stepping_aside_idles_the_drafter_until_the_simulated_length_pays(table_
     prompts = toy_prompts(toy_target, 4)
     online = OnlineK.calibrate(engine, prompts, OnlineKConfig(batch_sizes=[1, 4, 16], calibrate_tokens=8, repeats=1,
                                                               margin=10.0), rl_batch=4)
-    assert online.model.batch_sizes == [1, 4] and online.rl_batch == 4  # no size past the RL batch is measured
+    # no size past the RL batch is measured; the RL batch's own first, the rest only if its bound
+    # does not already show that no k pays there (the early stop)
+    assert online.model.batch_sizes == ([4] if online.pending is not None else [1, 4]) and online.rl_batch == 4
     assert online.step_aside and engine.k_schedule == [(1, 64, 0)] and engine.drafter_idle
     before = engine.drafter_idle_steps()
     res = engine.generate(prompts, temperature=0.0, max_tokens=16)
@@ -154,8 +156,10 @@ def test_a_multiprocess_engine_takes_the_table_in_its_engine_core(toy_target, tm
         _, d = drafted(engine, prompts)
         assert d[0] > 0 and d[:3] == [d[0]] * 3 and d[3:] == [0, 0]
         engine.set_k_schedule([(1, 4, 5), (5, 64, 1)])
+        _, d = drafted(engine, prompts[:3])
+        assert d[0] > 0 and d == [d[0]] * 5  # 3 sequences: 5 tokens
         _, d = drafted(engine, prompts)
-        assert d[0] > d[1] == d[2] == d[3] == d[4] > 0  # the 8-sequence steps drafted 1, the tail 5
+        assert d[0] > d[1] and d[1] == d[2] == d[3] == d[4]  # 8 sequences: 1 token (a tail of <= 4 drafts 5)
         engine.set_k_schedule([(1, 64, 0)])
         assert engine.drafter_idle
         before = engine.drafter_idle_steps()

@@ -258,10 +258,13 @@ def test_a_calibration_stops_early_where_no_k_can_pay_and_finishes_when_a_draft_
     weak = [0.3, 0.09, 0.03, 0.01, 0.003]
     engine = CostedEngine(weak)
     online = OnlineK.calibrate(engine, ["p"] * 4, cfg, rl_batch=32)
-    # k = 0, 1, 2 at 1, 8 and 32 sequences (none past the RL batch), then the bound held at 32
-    assert sorted(set(engine.generated)) == [(k, b) for k in (0, 1, 2) for b in (1, 8, 32)]
-    assert online.pending is not None and online.pending.left == [3, 4, 5]
-    assert engine.k_schedule == [(1, 64, 0)]
+    # k = 0, 1, 2 at the RL batch's 32 sequences first (none past it), and the bound held there:
+    # nothing else measured
+    assert sorted(set(engine.generated)) == [(k, 32) for k in (0, 1, 2)]
+    assert online.pending is not None
+    assert sorted(online.pending.left) == sorted([(k, b) for k in (0, 1, 2) for b in (1, 8)] +
+                                                 [(k, b) for k in (3, 4, 5) for b in (1, 8, 32)])
+    assert engine.k_schedule == [(1, 64, 0)] and online.model.batch_sizes == [32]
     # the bound agrees with the whole calibration: nothing pays at the RL batch there either
     whole = OnlineK.calibrate(CostedEngine(weak), ["p"] * 4, OnlineKConfig(batch_sizes=[1, 8, 32, 64], repeats=1,
                                                                            early_stop=False), rl_batch=32)
@@ -275,7 +278,7 @@ def test_a_calibration_stops_early_where_no_k_can_pay_and_finishes_when_a_draft_
     engine.rates = [0.99, 0.97, 0.95, 0.93, 0.9]
     m = online.simulated(engine, 3.9, 3)
     assert m["k/resumed"] == 1.0 and online.pending is None
-    assert {(k, b) for k in (3, 4, 5) for b in (1, 8, 32)} <= set(engine.generated)
+    assert {(k, b) for k in range(6) for b in (1, 8, 32)} <= set(engine.generated)
     assert online.model.batch_sizes == [1, 8, 32] and k_at(engine.k_schedule, 32) > 0
     # calibration sizes short of the RL batch: the bound is not extrapolated, the calibration is whole
     engine = CostedEngine(weak)
