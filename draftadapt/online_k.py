@@ -111,6 +111,9 @@ class OnlineK:
         self.counts = counts if counts is not None else AcceptanceStats(k_max)
         self.calibrate_s = 0.0
         self.pending: _Calibration | None = None  # an early-stopped calibration's left-out k
+        # the calibration's batch sizes (the k at each is reported): the cost model's, or more
+        # where an early stop measured only the RL batch's
+        self.sizes: list[int] = list(model.batch_sizes)
 
     @property
     def rates(self) -> list[float]:
@@ -240,7 +243,7 @@ class OnlineK:
         calibrated batch size (``k/b<N>``), whether the table changed, and the rates the choice used."""
         self.observe(acceptance)
         changed = self._write(engine)
-        out = {f"k/b{b}": float(k_at(engine.k_schedule, b)) for b in self.model.batch_sizes}
+        out = {f"k/b{b}": float(k_at(engine.k_schedule, b)) for b in self.sizes}
         out["k/changed"] = float(changed)
         out.update({f"k/rate_pos_{i}": r for i, r in enumerate(self.rates)})
         out["k/measured_positions"] = float(self.measured_positions)
@@ -316,6 +319,7 @@ class OnlineK:
             online = cls(fit_step_costs(points), engine.max_num_seqs, k_max, cfg.decay, counts, cfg.margin,
                          cfg.min_reach, cfg.prior_drafts, cfg.step_aside, rl_batch)
             online.pending = plan if plan.left else None
+            online.sizes = list(bss)
             engine.set_k_schedule(online.choose())
             done = True
         finally:

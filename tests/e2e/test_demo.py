@@ -200,6 +200,7 @@ def test_demo_online_k_and_the_ngram_arm(toy_target, tmp_path):
            f"draft={draft}", "grpo.prompts_per_step=4", "grpo.group_size=4", "eval.prompts=8", "grpo.max_tokens=32",
            "eval.max_tokens=32", "fresh_final=false", "k_compare_repeats=2",
            "k_policy=online", "online_k.batch_sizes=[1,8,32]", "online_k.calibrate_tokens=8", "online_k.repeats=1",
+           "online_k.early_stop=false",  # the whole cost model, whatever this head's first cells say
            "max_num_seqs=8",
            "baselines=[ngram]"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)

@@ -265,6 +265,8 @@ def test_a_calibration_stops_early_where_no_k_can_pay_and_finishes_when_a_draft_
     assert sorted(online.pending.left) == sorted([(k, b) for k in (0, 1, 2) for b in (1, 8)] +
                                                  [(k, b) for k in (3, 4, 5) for b in (1, 8, 32)])
     assert engine.k_schedule == [(1, 64, 0)] and online.model.batch_sizes == [32]
+    assert online.sizes == [1, 8, 32]  # the k at every calibration size is still reported
+    assert {"k/b1", "k/b8", "k/b32"} <= set(online.update(engine, AcceptanceStats(5)))
     # the bound agrees with the whole calibration: nothing pays at the RL batch there either
     whole = OnlineK.calibrate(CostedEngine(weak), ["p"] * 4, OnlineKConfig(batch_sizes=[1, 8, 32, 64], repeats=1,
                                                                            early_stop=False), rl_batch=32)
