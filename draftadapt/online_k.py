@@ -111,9 +111,12 @@ class OnlineK:
         self.counts = counts if counts is not None else AcceptanceStats(k_max)
         self.calibrate_s = 0.0
         self.pending: _Calibration | None = None  # an early-stopped calibration's left-out k
-        # the calibration's batch sizes (the k at each is reported): the cost model's, or more
-        # where an early stop measured only the RL batch's
-        self.sizes: list[int] = list(model.batch_sizes)
+
+    @property
+    def sizes(self) -> list[int]:
+        """The calibration's batch sizes (``update`` reports the k at each): the cost model's,
+        or an early-stopped calibration's, which measured only the RL batch's so far."""
+        return list(self.pending.bss if self.pending is not None else self.model.batch_sizes)
 
     @property
     def rates(self) -> list[float]:
@@ -319,7 +322,6 @@ class OnlineK:
             online = cls(fit_step_costs(points), engine.max_num_seqs, k_max, cfg.decay, counts, cfg.margin,
                          cfg.min_reach, cfg.prior_drafts, cfg.step_aside, rl_batch)
             online.pending = plan if plan.left else None
-            online.sizes = list(bss)
             engine.set_k_schedule(online.choose())
             done = True
         finally:

@@ -405,8 +405,8 @@ class RolloutEngine:
         """Change the per-batch-size k table in place, between generations: vLLM's scheduler
         looks the k up in a dense batch-size table every step and the model runner drafts that
         many (docs/design.md, "Online k"). Needs an engine started with a ``k_schedule`` (a
-        multiprocess one through draftadapt's EngineCore method, ``engine/k_table.py``); k above the engine's ``num_speculative_tokens`` is capped to it, as
-        vLLM does at start-up. A table of zeros idles the drafter (no pass at all, where vLLM
+        multiprocess one through draftadapt's EngineCore method, ``engine/k_table.py``); k
+        above the engine's ``num_speculative_tokens`` is capped to it, as vLLM does at start-up. A table of zeros idles the drafter (no pass at all, where vLLM
         would still run its first one; docs/design.md, "Stepping aside"); ``idle_drafter=False``
         keeps vLLM's own behaviour (scripts/bench_k_table.py measures the two)."""
         if self._k_schedule is None:

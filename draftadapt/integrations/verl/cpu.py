@@ -343,7 +343,8 @@ def take_spec_counters(_server=None) -> dict:
     return out
 
 
-def _add_per_pos(total: list | None, more: list | None) -> list | None:
+def add_per_position(total: list | None, more: list | None) -> list | None:
+    """Per-position counts summed (the shorter padded with zeros); None where either is unknown."""
     if total is None or more is None:
         return None
     n = max(len(total), len(more))
@@ -358,11 +359,11 @@ def _tally(stats: _SpecStats) -> None:
         _SPEC["verify_steps"] += stats.num_verify_steps
         if stats.num_verify_steps:  # verl's per-request figure: 1 + accepted / verify steps
             _SPEC["length_sum"] += 1.0 + stats.num_accepted_tokens / stats.num_verify_steps
-        _SPEC["accepted_per_pos"] = _add_per_pos(_SPEC["accepted_per_pos"], stats.accepted_per_pos)
+        _SPEC["accepted_per_pos"] = add_per_position(_SPEC["accepted_per_pos"], stats.accepted_per_pos)
         drafted = stats.drafted_per_pos
         if drafted is None and not stats.num_verify_steps:
             drafted = [0] * len(stats.accepted_per_pos)  # drafted nothing: nothing unknown
-        _SPEC["drafted_per_pos"] = _add_per_pos(_SPEC["drafted_per_pos"], drafted)
+        _SPEC["drafted_per_pos"] = add_per_position(_SPEC["drafted_per_pos"], drafted)
 
 
 def bridge_spec_stats() -> None:

@@ -146,13 +146,13 @@ class VerlServer:
 def counters_to_acceptance(tallies: list[dict], k: int | None = None) -> tuple[AcceptanceStats | None, dict[str, float]]:
     """Servers' tallies (``take_spec_counters``) summed: (per-position ``AcceptanceStats``, or
     None where nothing drafted or a per-position record is missing; verl-style metrics)."""
+    from draftadapt.integrations.verl.cpu import add_per_position
+
     total: dict[str, Any] = {}
     for t in tallies:
         for key, v in t.items():
             if isinstance(v, list) or v is None:
-                have = total.get(key, [])
-                total[key] = None if have is None or v is None else [
-                    a + b for a, b in zip(have + [0] * (len(v) - len(have)), v + [0] * (len(have) - len(v)))]
+                total[key] = add_per_position(total.get(key, []), v)
             else:
                 total[key] = total.get(key, 0) + v
     if not total.get("verify_steps"):
@@ -186,6 +186,7 @@ class VerlEngines:
         self.checkpoint_manager = checkpoint_manager
         self.fleet = DraftFleet.from_actors([])
         self._known: set = set()
+        self._k: dict[str, Any] | None = None  # the engines' k table state, as k_table() last read it
         self.refresh()
 
     def refresh(self) -> None:
@@ -224,10 +225,6 @@ class VerlEngines:
 
         return counters_to_acceptance(ray.get([a.spec_counters.remote() for a in self.fleet.actors]))
 
-    def acceptance(self) -> dict[str, float]:
-        """The metrics of :meth:`take_acceptance`."""
-        return self.take_acceptance()[1]
-
     # ---- online k: the k table in every server's engine cores (draftadapt/engine/k_table.py)
 
     def k_table(self, schedule=None, idle_drafter: bool = True) -> dict[str, Any]:
@@ -250,7 +247,7 @@ class VerlEngines:
         return dict(self._k)
 
     def _k_state(self) -> dict[str, Any]:
-        if getattr(self, "_k", None) is None:
+        if self._k is None:
             self.k_table()
         return self._k
 
