@@ -1,5 +1,5 @@
 """One optimizer step of an Eagle-3 head: draftadapt's ``DraftTrainer.train_step`` against speculators
-0.9.0's ``Eagle3DraftModel`` forward + backward + clip + AdamW, same tokens, same head widths, one run.
+0.9.0's ``Eagle3DraftModel`` forward + backward + clip + optimizer, same tokens, same head widths, one run.
 
     python scripts/bench_step_vs_speculators.py [--size 1b] [--seqs 2] [--seq-len 512] [--steps 3] [--json]
 
@@ -7,12 +7,16 @@ Rows, each in its own child process (so each peak is its own): draftadapt with i
 draftadapt with it frozen (``train.freeze_lm_head``: speculators' trainer keeps its lm_head frozen at
 the target's rows, so this is the equal-work row), ``--reference`` adds both with
 ``train.loss_chunk=0`` (every step's logits at once), and speculators. Then the ratios
-draftadapt / speculators of step time and peak memory (issue 48's bar: <= 1.0 for the frozen row).
+draftadapt / speculators of step time and peak memory (issue 48's bar: <= 1.0 for the frozen row at
+equal work; issue 54's: <= 1.0 for the trained row, draftadapt's default, at ``--precision defaults``).
 
 Same work on both sides: ``--seqs`` random sequences of ``--seq-len`` tokens (every token a loss
 token but each sequence's last), three TTT steps (weights 0.8^i), random weights at the size's
 widths (``bench_adapter.SIZES``: a 128256-token target vocabulary, a 32000-token draft vocabulary),
-float32 master weights, AdamW (betas 0.9 / 0.95), global grad-norm clip 1.0. draftadapt reads the
+float32 master weights, global grad-norm clip 1.0. ``--precision defaults`` (the default): each side at
+its own defaults, draftadapt at ``train.precision=auto`` with AdamW (betas 0.9 / 0.95), speculators
+as its trainer runs unless told otherwise, bf16 autocast on any device and Muon + AdamW (issue 54's
+bar); ``auto`` / ``bf16`` / ``fp32``: that precision on both sides and AdamW on both (equal work). draftadapt reads the
 sequences as rows of a batch with the target's draft-vocab log-probs (what its capture hands over);
 speculators packs them into one row with document ids and computes the targets itself from the
 target's last hidden state through its frozen verifier lm_head (its KL loss in eager form,
@@ -98,7 +102,8 @@ def draftadapt_step(size: str, batch, precision: str, freeze_lm_head: bool, loss
                       precision=precision, freeze_lm_head=freeze_lm_head, **chunk)
     trainer = DraftTrainer(build_head(size), "eagle3", cfg)
     batch = batch.to(trainer.device)
-    return lambda: trainer.train_step(batch)["train/loss"], trainer.cfg.loss_chunk
+    return lambda: trainer.train_step(batch)["train/loss"], {"loss_chunk": trainer.cfg.loss_chunk,
+                                                             "precision": trainer.precision, "optimizer": "AdamW"}
 
 
 def import_speculators(wheels: str | None):
@@ -157,10 +162,35 @@ def speculators_model(size: str, attn: str, wheels: str | None):
     return model.train(), loss_config
 
 
+# speculators 0.9.0's trainer at its defaults (speculators/train/config/schema.py): forward under
+# autocast at hidden_states_dtype, "bfloat16", on any device (train/trainer.py); optimizer "muon"
+# (torch's Muon on the 2-D matrices, AdamW on the rest, OptimizerArgs' defaults; train/optimizers.py).
+SPECULATORS_DEFAULT_PRECISION = "bf16"
+
+
+def speculators_optimizers(model, params, defaults: bool, wheels: str | None) -> list:
+    """AdamW over the trained parameters (the equal-work comparison), or with ``defaults``
+    speculators' own ``build_optimizers`` at its default ``OptimizerArgs``."""
+    if not defaults:
+        return [torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.95), weight_decay=0.0)]
+    if wheels:
+        sys.path.append(wheels)
+    from speculators.train.config.schema import OptimizerArgs
+    from speculators.train.optimizers import build_optimizers
+
+    args = OptimizerArgs()
+    if args.muon_lr is None:  # what speculators' TrainConfig resolves an unset muon_lr to
+        args.muon_lr = args.lr
+    return build_optimizers(model, args)
+
+
 def speculators_step(size: str, batch, precision: str, attn: str, wheels: str | None):
     model, loss_config = speculators_model(size, attn, wheels)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = model.to(device)
+    defaults = precision == "defaults"
+    if defaults:
+        precision = SPECULATORS_DEFAULT_PRECISION
     seqs, seq_len = batch.input_ids.shape
     s = SIZES[size]
     g = torch.Generator().manual_seed(1)
@@ -174,7 +204,7 @@ def speculators_step(size: str, batch, precision: str, attn: str, wheels: str | 
     }
     inputs = {k: v.to(device) for k, v in inputs.items()}
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.95), weight_decay=0.0)
+    opts = speculators_optimizers(model, params, defaults, wheels)
     bf16 = precision == "bf16" or (precision == "auto" and device == "cuda")
     autocast = torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=bf16)
 
@@ -183,11 +213,12 @@ def speculators_step(size: str, batch, precision: str, attn: str, wheels: str | 
             _, loss, _ = model(**inputs, ttt_steps=TTT_STEPS, ttt_step_loss_decay=DECAY, loss_config=loss_config)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, CLIP)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         return float(loss)
 
-    return step
+    return step, {"precision": "bf16" if bf16 else "fp32", "optimizer": "+".join(type(o).__name__ for o in opts)}
 
 
 def child(spec: dict) -> dict:
@@ -197,13 +228,14 @@ def child(spec: dict) -> dict:
     batch = random_batch(spec["size"], spec["seqs"], spec["seq_len"], 0, "cuda" if cuda else "cpu")
     row = {"row": spec["row"]}
     if spec["row"] == "speculators":
-        step = speculators_step(spec["size"], batch, spec["precision"], spec["attn"], spec["wheels"])
-        row["attention"] = spec["attn"]
+        step, info = speculators_step(spec["size"], batch, spec["precision"], spec["attn"], spec["wheels"])
+        row.update(info, attention=spec["attn"])
         del batch  # speculators reads its packed copy; the draft-vocab log-probs are draftadapt's input
     else:
-        step, row["loss_chunk"] = draftadapt_step(spec["size"], batch, spec["precision"], spec["freeze"],
-                                                  spec["loss_chunk"])
-        row["attention"] = "sdpa"
+        # "defaults": draftadapt's own default (train.precision=auto) against speculators' defaults
+        precision = "auto" if spec["precision"] == "defaults" else spec["precision"]
+        step, info = draftadapt_step(spec["size"], batch, precision, spec["freeze"], spec["loss_chunk"])
+        row.update(info, attention="sdpa")
     times, cpu = [], []
     with PeakMemory(cuda) as mem:
         for i in range(spec["steps"] + 1):  # the first is a warm-up
@@ -258,8 +290,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq-len", type=int, default=512, help="tokens per sequence")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per row (after one warm-up)")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads in each child")
-    ap.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"],
-                    help="auto: bf16 autocast on CUDA, float32 on CPU (both sides)")
+    ap.add_argument("--precision", default="defaults", choices=["defaults", "auto", "bf16", "fp32"],
+                    help="defaults: each side at its own defaults (draftadapt train.precision=auto; speculators' "
+                         "trainer: bf16 autocast and Muon + AdamW); auto / bf16 / fp32: the same on both sides, "
+                         "AdamW on both (auto: bf16 autocast on CUDA, float32 on CPU)")
     ap.add_argument("--speculators-attn", default=None,
                     help="speculators' attention: eager on CPU, simple_flex_attention on CUDA by default")
     ap.add_argument("--reference", action="store_true", help="also draftadapt with train.loss_chunk=0")
@@ -287,14 +321,14 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(run_child(spec))
         print(f"  {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
     device = torch.cuda.get_device_name() if cuda else f"cpu, {args.threads} threads"
-    result = {"device": device, "size": args.size, "tokens_per_step": args.seqs * args.seq_len,
+    result = {"device": device, "precision": args.precision, "size": args.size, "tokens_per_step": args.seqs * args.seq_len,
               "seqs": args.seqs, "seq_len": args.seq_len, "ttt_steps": TTT_STEPS, "rows": rows,
               "ratio_vs_speculators": ratios(rows)}
     if args.json:
         print(json.dumps(result))
         return 0
     print(f"device: {device}; {args.size} widths; {args.seqs} x {args.seq_len} tokens, {TTT_STEPS} TTT steps")
-    cols = ["row", "step_ms", "cpu_ms", "tokens_s", "peak_gib", "step_gib", "attention"]
+    cols = ["row", "step_ms", "cpu_ms", "tokens_s", "peak_gib", "step_gib", "precision", "optimizer", "attention"]
     print(" | ".join(cols))
     for r in rows:
         print(" | ".join(str(r.get(c, r.get("error") if c == "step_ms" else "-")) for c in cols))

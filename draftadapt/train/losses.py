@@ -192,11 +192,14 @@ class _ChunkedVocabLoss(torch.autograd.Function):
         top = torch.zeros(n, dtype=torch.long, device=h.device)
         target_top = torch.zeros(n, dtype=torch.long, device=h.device)
         autocast = torch.is_autocast_enabled(h.device.type)
+        # one cast for every chunk: under autocast F.linear and mm would each cast the weight again
+        # (autocast caches casts only of weights that are trained), a [Vd, H] copy each time
+        w_mm = weight.to(torch.get_autocast_dtype(h.device.type)) if autocast else weight
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
             hc = h[s:e]
             # in place where it can be: about 3 [c, Vd] float32 tensors live at once
-            z = F.linear(hc, weight).float()  # [c, Vd]
+            z = F.linear(hc, w_mm).float()  # [c, Vd]
             top[s:e] = z.argmax(-1)
             logq = z.sub_(z.logsumexp(-1, keepdim=True))
             tgt = target_logp[rows[s:e]].float()  # [c, Vd], a copy (indexed)
@@ -218,7 +221,7 @@ class _ChunkedVocabLoss(torch.autograd.Function):
             if g is not None:
                 wc = w[s:e, None].float()  # d(w * loss)/dz = w g: w scales the [c, H] sides, not g
                 if need_h:
-                    grad_h[s:e] = torch.mm(g, weight.to(g.dtype)).mul_(wc)
+                    grad_h[s:e] = torch.mm(g, w_mm if autocast else weight.to(g.dtype)).mul_(wc)
                 if need_w:
                     if autocast:  # the matmul in the autocast dtype, summed in float32
                         grad_w += torch.mm(g.t(), hc.to(g.dtype) * wc)

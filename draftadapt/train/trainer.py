@@ -67,8 +67,9 @@ class TrainConfig:
     deepspeed_config: str | None = None  # path to a DeepSpeed JSON config (overrides zero_stage)
     seed: int = 0  # the draft wrapper's init, the TTT slot draws, pretrain's batch order and the adapter's replay draws
     threads: int = 0  # torch intra-op threads for training; 0 = leave torch's default
-    # "auto": bf16 autocast on a CUDA device (float32 master weights and optimizer state, as
-    # always), plain float32 on CPU; "bf16" / "fp32" force one (docs/design.md, "On a GPU").
+    # "auto": bf16 autocast (float32 master weights and optimizer state, as always) on a CUDA
+    # device, and on a CPU with AMX-BF16 for a draft at least BF16_CPU_MIN_WIDTH wide; plain
+    # float32 elsewhere; "bf16" / "fp32" force one (docs/design.md, "Precision").
     precision: str = "auto"
 
     def validate(self) -> None:
@@ -93,8 +94,31 @@ class TrainConfig:
             raise ConfigError(f"train.loss_chunk must be >= 0 (got {self.loss_chunk}): tokens per chunk of the "
                               "draft-vocab loss; 0 = all at once")
         if self.precision not in ("auto", "bf16", "fp32"):
-            raise ConfigError(f"train.precision {self.precision!r}: use 'auto' (bf16 autocast on CUDA, float32 on "
-                              "CPU), 'bf16' or 'fp32'")
+            raise ConfigError(f"train.precision {self.precision!r}: use 'auto' (bf16 autocast on CUDA and on a "
+                              "CPU with AMX-BF16 for a wide draft, else float32), 'bf16' or 'fp32'")
+
+
+# train.precision=auto on a CPU: one optimizer step (2 cores, Intel Xeon with AMX-BF16, Eagle-3,
+# lm_head trained) in bf16 autocast against float32 took 1.06-1.34x as long at the toy's width
+# (128), 0.63-0.77x at SmolLM2's (576) and 0.51-0.58x at 1b widths (2048): below ~512 the casts
+# cost more than the bf16 matmuls save (docs/results.md, "The trainer's step in bf16").
+BF16_CPU_MIN_WIDTH = 512
+
+
+def draft_width(draft: nn.Module) -> int:
+    """The draft's hidden width as its matmuls see it: the widest Linear's narrower side."""
+    return max((min(m.in_features, m.out_features) for m in draft.modules() if isinstance(m, nn.Linear)), default=0)
+
+
+def auto_precision(device: torch.device, draft: nn.Module) -> str:
+    """train.precision=auto: bf16 on CUDA; on a CPU, bf16 where it multiplies bf16 tiles in hardware
+    (AMX) and the draft is wide enough to gain from it. A CPU with only avx512_bf16 (AMD EPYC)
+    keeps float32 until its own step is measured (scripts/bench_step_vs_speculators.py)."""
+    if device.type == "cuda":
+        return "bf16"
+    if device.type == "cpu" and torch.cpu._is_amx_tile_supported() and draft_width(draft) >= BF16_CPU_MIN_WIDTH:
+        return "bf16"
+    return "fp32"
 
 
 def make_accelerator(cfg: TrainConfig):
@@ -211,9 +235,13 @@ class DraftTrainer:
             if not p.requires_grad:
                 continue
             (decay if p.ndim >= 2 and "norm" not in name else no_decay).append(p)
+        # fused: one kernel over all parameters. torch's default on CPU tensors is a loop of ~10
+        # elementwise ops per parameter; at 1b widths (78M parameters, 2 cores, Xeon) the fused
+        # step took 85 ms against 541 ms (docs/results.md, "The trainer's step in bf16").
+        # DeepSpeed steps its own partitions of the optimizer, so it keeps torch's default.
         opt = torch.optim.AdamW(
             [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+            lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=None if self.is_deepspeed else True,
         )
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, total_steps))
         self.model, self.optimizer, self.scheduler = self.accelerator.prepare(module, opt, sched)
@@ -225,7 +253,7 @@ class DraftTrainer:
         self._slot_rng = torch.Generator().manual_seed(cfg.seed)  # TTT slot draws (cfg.ttt_slots)
         zero3 = self.is_deepspeed and self.accelerator.state.deepspeed_plugin.zero_stage == 3
         self.loss_chunk = 0 if zero3 else cfg.loss_chunk
-        self.precision = cfg.precision if cfg.precision != "auto" else ("bf16" if self.device.type == "cuda" else "fp32")
+        self.precision = cfg.precision if cfg.precision != "auto" else auto_precision(self.device, draft)
         self.step = 0  # optimizer steps taken
         # the last step's loss per sequence of its batch (the first TTT step's; a draft LM's one
         # step): the adapter's replay priorities (AdapterConfig.priority; the adapter trains on

@@ -227,3 +227,39 @@ def test_narrower_mlp_keeps_everything_else(tmp_path):
     batches = captured(target, tiny_data())
     tr = DraftTrainer(small, "eagle3", TrainConfig(batch_size=8, warmup_steps=1), total_steps=8)
     assert tr.train_steps(batches)["train/loss"] > 0
+
+
+def test_the_optimizer_is_adamw_fused_and_steps_as_torchs_default_does(monkeypatch):
+    """train's AdamW runs fused (one kernel over every parameter; ~6x faster a step on CPU at 1b
+    widths): the same update as torch's default loop, within float32 rounding."""
+    target = tiny_target()
+    batches = captured(target, tiny_data())
+    tr = make_trainer(target)
+    real = torch.optim.AdamW
+    monkeypatch.setattr(torch.optim, "AdamW", lambda *a, fused=None, **kw: real(*a, **kw))
+    ref = make_trainer(target)  # the same trainer with torch's default AdamW
+    monkeypatch.undo()
+    assert tr.optimizer.defaults["fused"] is True and not ref.optimizer.defaults["fused"]
+    for _ in range(3):
+        tr.train_steps(batches)
+        ref.train_steps(batches)
+    for (name, a), b in zip(tr.draft.state_dict().items(), ref.draft.state_dict().values()):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6), name
+
+
+def test_auto_precision_is_bf16_on_cpu_only_where_amx_makes_a_wide_draft_faster(monkeypatch):
+    """train.precision=auto on a CPU: bf16 with AMX-BF16 for a draft at least 512 wide (measured:
+    0.51-0.77x the float32 step at 576 and 2048, 1.06-1.34x at the toy's 128), float32 otherwise."""
+    from draftadapt.train import trainer as trainer_mod
+    from draftadapt.train.trainer import BF16_CPU_MIN_WIDTH, auto_precision, draft_width
+
+    narrow = init_from_target(tiny_target(), [1, 2, 3], None, None, 0)
+    assert draft_width(narrow) == 32
+    wide = torch.nn.Sequential(torch.nn.Linear(3 * 576, 576), torch.nn.Linear(576, 8192))
+    assert draft_width(wide) == 576 >= BF16_CPU_MIN_WIDTH
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    for amx in (True, False):
+        monkeypatch.setattr(trainer_mod.torch.cpu, "_is_amx_tile_supported", lambda amx=amx: amx)
+        assert auto_precision(cpu, wide) == ("bf16" if amx else "fp32")
+        assert auto_precision(cpu, narrow) == "fp32"
+        assert auto_precision(cuda, narrow) == "bf16"
