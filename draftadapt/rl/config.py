@@ -37,6 +37,12 @@ class GRPOConfig:
     style: str = ""
     style_bonus: float = 1.0  # added to the reward of a completion in `style`
     micro_batch: int = 32  # sequences per forward/backward in the update (gradients accumulate)
+    # The update's forwards and backward: "auto" runs them under bf16 autocast where train.precision's
+    # rule would (CUDA; a CPU with AMX-BF16 and a policy >= 512 wide: SmolLM2, not the toy), float32
+    # master weights and AdamW state either way; "bf16" / "fp32" force one. Measured on a Xeon with
+    # AMX-BF16: a SmolLM2 micro-batch (32 x 150 tokens) 0.62-0.71x the float32 time, its log-probs
+    # 0.0012 nats a token from float32's (docs/results.md, "bf16 on a CPU that has it").
+    precision: str = "auto"
     # Asynchronous loop only (rollouts sampled by an older policy): each response token's
     # gradient is weighted by min(p_policy / p_sampler, off_policy_clip), the sampler's
     # probability being the engine's log-prob of the token (truncated importance sampling; at
@@ -220,6 +226,9 @@ class DemoConfig:
                               "adapter_background=true")
         if self.async_threads < 1:
             raise ConfigError(f"async_threads={self.async_threads}: give at least 1 torch thread per job")
+        if self.grpo.precision not in ("auto", "bf16", "fp32"):
+            raise ConfigError(f"grpo.precision={self.grpo.precision!r}: use 'auto' (bf16 autocast where the "
+                              "hardware gains from it), 'bf16' or 'fp32'")
         if self.k_compare_repeats < 1:
             raise ConfigError(f"k_compare_repeats={self.k_compare_repeats}: give at least 1 round")
         if self.max_num_seqs < 1:

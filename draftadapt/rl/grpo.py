@@ -4,10 +4,18 @@ draftadapt's hand-over, so the adapter runs no forward of its own."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from draftadapt.data.sequences import as_sequences, collate
 from draftadapt.rl.config import GRPOConfig
+from draftadapt.train.trainer import auto_precision
+
+
+def policy_precision(policy, cfg: GRPOConfig) -> str:
+    """grpo.precision with "auto" resolved for this policy on its device."""
+    return cfg.precision if cfg.precision != "auto" else auto_precision(next(policy.parameters()).device, policy)
 
 
 def token_logprobs(model, batch: dict, handover=None, index=None) -> torch.Tensor:
@@ -64,13 +72,17 @@ def grpo_update(policy, reference, opt, problems, rollouts, cfg: GRPOConfig, pad
     pg_sum = kl_sum = 0.0
     # the sampler's log-probs come with off-policy rollouts only (the asynchronous loop asks for them)
     off_policy = cfg.off_policy_clip > 0 and all(getattr(rollout, "logprobs", None) is not None for rollout in rollouts)
+    device = next(policy.parameters()).device
+    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if policy_precision(policy, cfg) == "bf16"
+                else contextlib.nullcontext())
     for lo in range(0, n, cfg.micro_batch):
         if threads is not None:
             torch.set_num_threads(threads())
         idx = order[lo: lo + cfg.micro_batch]
         batch = collate([seqs[i] for i in idx], pad_id)
         mask = batch["loss_mask"][:, :-1].float()  # slots whose next token is a response token
-        lp = token_logprobs(policy, batch, handover, idx)
+        with autocast:
+            lp = token_logprobs(policy, batch, handover, idx)
         weight = mask
         if off_policy:
             weight = mask * torch.exp(lp.detach() - sampler_logprobs([rollouts[i] for i in idx], lp.shape)).clamp(
@@ -78,7 +90,7 @@ def grpo_update(policy, reference, opt, problems, rollouts, cfg: GRPOConfig, pad
         pg = -(adv[idx] * (weight * lp).sum(-1) / mask.sum(-1).clamp(min=1)).sum() / n
         loss = pg
         if cfg.kl_coef and mask.sum() > 0:
-            with torch.no_grad():
+            with torch.no_grad(), autocast:
                 ref_lp = token_logprobs(reference, batch)
             kl = kl_to_reference(lp, ref_lp, mask) * mask.sum() / max(n_tokens, 1)
             loss = loss + cfg.kl_coef * kl

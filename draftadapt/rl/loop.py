@@ -39,7 +39,7 @@ from draftadapt.metrics.logger import make_logger
 from draftadapt.online_k import OnlineK, schedule_text
 from draftadapt.rl.arms import FIXED_K_ARM, measure_fresh, record_step, seed_online_k
 from draftadapt.rl.config import demo_adapter, DemoConfig
-from draftadapt.rl.grpo import grpo_update
+from draftadapt.rl.grpo import grpo_update, policy_precision
 from draftadapt.rl.summary import fleet_summary, load_baseline, load_sync, plot, summarize
 from draftadapt.rl.world import World
 from draftadapt.train.trainer import torch_threads
@@ -105,6 +105,11 @@ def run(cfg: DemoConfig, world: World) -> dict:
     if r.online_k is not None:
         summary["online_k"] = {"calibrate_seconds": r.online_k.calibrate_s, "cost_model": r.online_k.model.to_dict(),
                                "k_table_per_step": [h.get("k/schedule") for h in r.history]}
+    # what ran in bf16 autocast ("Precision" in docs/design.md): the policy's update, the adapter's trainer
+    # (a Ray fleet's adapter trains in its actor: not read from here)
+    trainer = getattr(r.adapter, "trainer", None)
+    summary["precision"] = {"policy_update": policy_precision(r.policy, cfg.grpo),
+                            "adapter": trainer.precision if trainer is not None else None}
     summary["total_seconds"] = time.perf_counter() - t_run  # world setup + RL loop + fresh reference
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     if r.spec_engine is not None:

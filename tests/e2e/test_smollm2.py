@@ -63,6 +63,12 @@ def test_two_rl_steps_adapt_and_swap_the_head(smollm2_demo):
     # the adapted head serves from step 1's swap on: above the untrained head it started from
     assert adapted[-1] > frozen[-1], (adapted, frozen)
     assert (out / "final_policy" / "chat_template.jinja").is_file() and (out / "acceptance.png").is_file()
+    # 576 wide: both the policy's update and the adapter's trainer take bf16 autocast on a CPU with
+    # AMX-BF16 ("auto"), float32 on one without (docs/design.md, "Precision")
+    import torch
+
+    want = "bf16" if torch.cpu._is_amx_tile_supported() else "fp32"
+    assert summary["precision"] == {"policy_update": want, "adapter": want}, summary["precision"]
 
 
 def _engine(model, draft):

@@ -60,7 +60,9 @@ def test_bench_adapter_handover_alone():
 
 
 def test_bench_step_vs_speculators_toy_on_this_machine():
-    """issue 48's side-by-side step, toy widths: every row runs, both ratios are reported."""
+    """issue 48's side-by-side step, toy widths, as README "Precision" runs it (each side at its own
+    defaults): every row runs, both ratios are reported, speculators' row at its trainer's defaults
+    (bf16 autocast, Muon + AdamW), draftadapt's at train.precision=auto (the toy's 128: float32)."""
     pytest.importorskip("speculators", reason="installed by scripts/setup.sh (pip install --no-deps speculators==0.9.0)")
     r = subprocess.run([sys.executable, "scripts/bench_step_vs_speculators.py", "--size", "toy", "--seq-len", "16",
                         "--steps", "1", "--threads", "1", "--json"], cwd=REPO, capture_output=True, text=True,
@@ -72,5 +74,8 @@ def test_bench_step_vs_speculators_toy_on_this_machine():
     assert [row["row"] for row in out["rows"]] == names
     for row in out["rows"]:
         assert "error" not in row and row["step_ms"] > 0 and row["peak_gib"] > 0 and row["step_gib"] >= 0, row
+    assert out["precision"] == "defaults"
+    assert [(row["precision"], row["optimizer"]) for row in out["rows"]] == \
+        [("fp32", "AdamW"), ("fp32", "AdamW"), ("bf16", "Muon+AdamW")]
     assert sorted(out["ratio_vs_speculators"]) == sorted(names[:2])
     assert all(q["step"] > 0 and q["peak"] > 0 for q in out["ratio_vs_speculators"].values())

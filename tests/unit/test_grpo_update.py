@@ -102,3 +102,35 @@ def test_micro_batches_give_the_update_of_one_batch():
     assert many["rl/kl"] == pytest.approx(one["rl/kl"], rel=1e-5)
     # float32 sums in another order: differences far below a thousandth of the step itself
     assert (w_many - w_one).abs().max() < 1e-3 * moved
+
+
+def test_the_update_in_bf16_autocast_moves_the_policy_as_float32_does():
+    """grpo.precision=bf16: the forwards under bf16 autocast, the weights and the step in float32.
+    The update's direction is float32's (cosine > 0.99) and its loss within bf16's rounding; the
+    toy itself stays float32 at "auto" (128 wide), and a bad value is refused by name."""
+    from draftadapt.config import ConfigError
+    from draftadapt.rl.config import DemoConfig
+
+    tok = build_tokenizer()
+    small = ToyModelConfig(num_layers=2, hidden_size=64, num_heads=2, num_kv_heads=2, intermediate_size=128)
+    reference = build_model(small, seed=0).eval()
+    problems, rollouts = _rollouts(tok, 12, seed=5)
+    rollouts = [r if i % 3 else SimpleNamespace(**{**vars(r), "text": "wrong"}) for i, r in enumerate(rollouts)]
+    start = torch.cat([p.detach().flatten() for p in reference.parameters()])
+    moves, losses = {}, {}
+    for precision in ("fp32", "bf16"):
+        policy = copy.deepcopy(reference)
+        cfg = GRPOConfig(group_size=4, kl_coef=0.5, style_bonus=0.5, lr=1e-2, warmup_steps=0, precision=precision)
+        assert grpo.policy_precision(policy, cfg) == precision
+        out = grpo.grpo_update(policy, reference, torch.optim.SGD(policy.parameters(), lr=cfg.lr),
+                               problems, rollouts, cfg, 0, 0, _score(cfg))
+        assert all(p.dtype == torch.float32 for p in policy.parameters())
+        moves[precision] = torch.cat([p.detach().flatten() for p in policy.parameters()]) - start
+        losses[precision] = out["rl/loss"]
+    cos = float(torch.nn.functional.cosine_similarity(moves["fp32"], moves["bf16"], dim=0))
+    assert cos > 0.99, cos
+    assert losses["bf16"] == pytest.approx(losses["fp32"], abs=0.02)
+    assert losses["bf16"] != losses["fp32"]  # the forwards did run in bf16 (measured cosine 0.99999)
+    assert grpo.policy_precision(reference, GRPOConfig()) == "fp32"
+    with pytest.raises(ConfigError, match="grpo.precision"):
+        DemoConfig(grpo=GRPOConfig(precision="fp16")).validate()
