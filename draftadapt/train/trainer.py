@@ -100,8 +100,8 @@ class TrainConfig:
 
 # train.precision=auto on a CPU: one optimizer step (2 cores, Intel Xeon with AMX-BF16, Eagle-3,
 # lm_head trained) in bf16 autocast against float32 took 1.06-1.34x as long at the toy's width
-# (128), 0.63-0.77x at SmolLM2's (576) and 0.51-0.58x at 1b widths (2048): below ~512 the casts
-# cost more than the bf16 matmuls save (docs/results.md, "The trainer's step in bf16").
+# (128), 0.63-0.77x at SmolLM2's (576) and 0.58x at 1b widths (2048): below ~512 the casts cost
+# more than the bf16 matmuls save (docs/results.md, "bf16 on a CPU that has it").
 BF16_CPU_MIN_WIDTH = 512
 
 
@@ -237,7 +237,7 @@ class DraftTrainer:
             (decay if p.ndim >= 2 and "norm" not in name else no_decay).append(p)
         # fused: one kernel over all parameters. torch's default on CPU tensors is a loop of ~10
         # elementwise ops per parameter; at 1b widths (78M parameters, 2 cores, Xeon) the fused
-        # step took 85 ms against 541 ms (docs/results.md, "The trainer's step in bf16").
+        # step took 85 ms against 541 ms (docs/results.md, "bf16 on a CPU that has it").
         # DeepSpeed steps its own partitions of the optimizer, so it keeps torch's default.
         opt = torch.optim.AdamW(
             [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
