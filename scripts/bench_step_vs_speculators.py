@@ -168,13 +168,12 @@ def speculators_model(size: str, attn: str, wheels: str | None):
 SPECULATORS_DEFAULT_PRECISION = "bf16"
 
 
-def speculators_optimizers(model, params, defaults: bool, wheels: str | None) -> list:
+def speculators_optimizers(model, params, defaults: bool) -> list:
     """AdamW over the trained parameters (the equal-work comparison), or with ``defaults``
-    speculators' own ``build_optimizers`` at its default ``OptimizerArgs``."""
+    speculators' own ``build_optimizers`` at its default ``OptimizerArgs`` (speculators is
+    importable by now: ``speculators_model`` put any ``--wheels`` on the path)."""
     if not defaults:
         return [torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.95), weight_decay=0.0)]
-    if wheels:
-        sys.path.append(wheels)
     from speculators.train.config.schema import OptimizerArgs
     from speculators.train.optimizers import build_optimizers
 
@@ -204,7 +203,7 @@ def speculators_step(size: str, batch, precision: str, attn: str, wheels: str | 
     }
     inputs = {k: v.to(device) for k, v in inputs.items()}
     params = [p for p in model.parameters() if p.requires_grad]
-    opts = speculators_optimizers(model, params, defaults, wheels)
+    opts = speculators_optimizers(model, params, defaults)
     bf16 = precision == "bf16" or (precision == "auto" and device == "cuda")
     autocast = torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=bf16)
 

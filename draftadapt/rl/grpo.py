@@ -72,9 +72,8 @@ def grpo_update(policy, reference, opt, problems, rollouts, cfg: GRPOConfig, pad
     pg_sum = kl_sum = 0.0
     # the sampler's log-probs come with off-policy rollouts only (the asynchronous loop asks for them)
     off_policy = cfg.off_policy_clip > 0 and all(getattr(rollout, "logprobs", None) is not None for rollout in rollouts)
-    device = next(policy.parameters()).device
-    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if policy_precision(policy, cfg) == "bf16"
-                else contextlib.nullcontext())
+    autocast = (torch.autocast(next(policy.parameters()).device.type, dtype=torch.bfloat16)
+                if policy_precision(policy, cfg) == "bf16" else contextlib.nullcontext())
     for lo in range(0, n, cfg.micro_batch):
         if threads is not None:
             torch.set_num_threads(threads())

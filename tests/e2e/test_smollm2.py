@@ -13,6 +13,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
 from scipy.stats import chi2_contingency
 
 from draftadapt.draft_init import init_draft
@@ -65,8 +66,6 @@ def test_two_rl_steps_adapt_and_swap_the_head(smollm2_demo):
     assert (out / "final_policy" / "chat_template.jinja").is_file() and (out / "acceptance.png").is_file()
     # 576 wide: both the policy's update and the adapter's trainer take bf16 autocast on a CPU with
     # AMX-BF16 ("auto"), float32 on one without (docs/design.md, "Precision")
-    import torch
-
     want = "bf16" if torch.cpu._is_amx_tile_supported() else "fp32"
     assert summary["precision"] == {"policy_update": want, "adapter": want}, summary["precision"]
 
