@@ -40,6 +40,7 @@ from draftadapt.progress import progress
 from draftadapt.train.trainer import TrainConfig
 
 RUN_DIR = "pretrain"  # inside ``out``: data, checkpoints, logs; vLLM only reads out's top level
+PREFILL_FILE = "prefill.jsonl"  # in the run's data/: data.prefill's rows as token sequences
 TOY_SOURCE = "toy"  # data.source that draws the toy world's prompts
 
 
@@ -67,6 +68,13 @@ class DataConfig:
     heldout_prompts: int = 64  # for the simulated acceptance during and after training
     chat_template: bool = False  # wrap prompts in the tokenizer's chat template
     seed: int = 0  # draws the toy prompts (or shuffles the file's); response i samples with seed + i
+    # Prefill: a local .jsonl/.json/.parquet of prompts *with* responses. Those responses are read
+    # as they are (no decoding) and the draft is distilled on the target's distribution over them,
+    # beside its own regenerated responses: a forward pass per token instead of a decode step.
+    # Held-out acceptance is still scored on the target's own responses.
+    prefill: str = ""
+    response_field: str = "response"  # the prefill file's column holding the response text
+    prefill_num: int = 0  # prefill rows used (shuffled with seed; 0 = all)
 
 
 @dataclass
@@ -139,6 +147,12 @@ class PretrainConfig:
             raise ConfigError(f"capture_dtype {self.capture_dtype!r}: use float16, bfloat16 or float32")
         if self.generate.temperature <= 0:
             raise ConfigError("generate.temperature must be > 0: a draft is distilled from the target's distribution")
+        if self.data.num_prompts < 0 or self.data.prefill_num < 0:
+            raise ConfigError(f"data.num_prompts and data.prefill_num must be >= 0 (got {self.data.num_prompts}, "
+                              f"{self.data.prefill_num})")
+        if self.data.num_prompts == 0 and not self.data.prefill:
+            raise ConfigError("data.num_prompts=0 leaves nothing to train on: give prompts to regenerate responses "
+                              "to, or a data.prefill file of prompts with responses")
 
 
 # ---------------------------------------------------------------------------------------------- setup
@@ -209,11 +223,23 @@ def _regenerate_data(cfg: PretrainConfig, target: Path, data_dir: Path, toy: Toy
     from draftadapt.engine.rollout import RolloutEngine
 
     train_file, held_file = data_dir / "train.jsonl", data_dir / "heldout.jsonl"
-    if train_file.is_file() and held_file.is_file():
-        return
     tok = AutoTokenizer.from_pretrained(str(target))
     d = cfg.data
-    train_prompts = list(load_prompts(d.source, d.num_prompts, d.seed, d.prompt_field, toy)["prompt"])
+    if d.prefill:
+        # rebuilt when the settings that made it change (it is text, tokenized: seconds)
+        made_by = json.dumps([str(Path(d.prefill).resolve()), d.prefill_num, d.seed, d.prompt_field, d.response_field,
+                              d.chat_template])
+        stamp = data_dir / (PREFILL_FILE + ".from")
+        if not (data_dir / PREFILL_FILE).is_file() or not stamp.is_file() or stamp.read_text() != made_by:
+            from draftadapt.data.prompts import load_prefill_file
+
+            save_sequences(data_dir / PREFILL_FILE,
+                           load_prefill_file(tok, d.prefill, d.prefill_num, d.seed, d.prompt_field, d.response_field,
+                                             d.chat_template))
+            stamp.write_text(made_by)
+    if train_file.is_file() and held_file.is_file():
+        return
+    train_prompts = list(load_prompts(d.source, d.num_prompts, d.seed, d.prompt_field, toy)["prompt"]) if d.num_prompts else []
     held = heldout_prompts(target, d.source, d.heldout_prompts, d.seed, d.prompt_field, toy)
     g = cfg.generate
     engine = RolloutEngine(target, None, max_model_len=g.max_model_len, max_num_seqs=g.max_num_seqs,
@@ -225,7 +251,7 @@ def _regenerate_data(cfg: PretrainConfig, target: Path, data_dir: Path, toy: Toy
         # unseeded request samples from the host's global torch generator when the engine runs in
         # this process, so the data, and the draft, would depend on what ran before in it.
         train = regenerate(engine, tokenize_prompts(tok, train_prompts, d.chat_template), g.temperature, g.max_tokens,
-                           seed=d.seed)
+                           seed=d.seed) if train_prompts else []
         heldout = regenerate(engine, tokenize_prompts(tok, held, d.chat_template), g.temperature, g.max_tokens,
                              seed=d.seed + len(train_prompts))
         print(f"regenerated {sum(len(s.response_ids) for s in train)} tokens in "
@@ -319,6 +345,10 @@ class _TrainStats:
     # what a trainer that reads precomputed states spends per step (scripts/bench_vs_speculators.py).
     capture_s: float = 0.0
     step_s: float = 0.0
+    tokens: int = 0  # response tokens trained on so far, repeats counted (this rank's batches x ranks)
+    # held-out simulated acceptance every eval_every steps against the tokens and minutes spent
+    # to reach it (summary.json "heldout_curve": where more data or time stops paying)
+    curve: list[dict] = field(default_factory=list)
 
 
 def _set_up(cfg: PretrainConfig, toy: ToyWorld | None) -> _Run:
@@ -364,7 +394,10 @@ def _target_and_data(cfg: PretrainConfig, accelerator, run_dir: Path, toy: ToyWo
         _regenerate_data(cfg, target, data_dir, toy)
     accelerator.wait_for_everyone()
     torch.set_num_threads(cfg.threads)  # vLLM lowered it for serving; the engine is gone now
-    return target, load_sequences(data_dir / "train.jsonl"), load_sequences(data_dir / "heldout.jsonl")
+    train = load_sequences(data_dir / "train.jsonl")
+    if cfg.data.prefill:
+        train += load_sequences(data_dir / PREFILL_FILE)
+    return target, train, load_sequences(data_dir / "heldout.jsonl")
 
 
 def _frozen_target(target: Path):
@@ -398,6 +431,8 @@ def _capture_store(cfg: PretrainConfig, capture, run_dir: Path):
     vocab_ids = capture.draft_to_target  # None: the whole vocabulary
     what = [capture.aux_layer_ids or None, None if vocab_ids is None else vocab_ids.tolist(), cfg.generate.temperature,
             cfg.train.batch_size, cfg.train.seed, cfg.capture_dtype]
+    if cfg.data.prefill:  # the batches hold the prefill rows too
+        what += [cfg.data.prefill, cfg.data.prefill_num]
     digest = hashlib.sha256(json.dumps(what).encode()).hexdigest()[:12]
     return CaptureStore(run_dir / "capture" / digest, getattr(torch, cfg.capture_dtype))
 
@@ -421,11 +456,16 @@ def _train(run: _Run) -> _TrainStats:
             if trainer.step >= run.total:
                 break
             m = _train_step(run, b, stats)
+            stats.tokens += sum(len(run.train_seqs[i].response_ids) for i in run.order[b]) * world
             batch_idx += 1
             bar.update()
             bar.set_postfix(loss=f"{m['train/loss']:.3f}", acc0=f"{m.get('train/acc_pos_0', 0):.2f}",
                             sim=f"{m['accept/simulated_length']:.2f}")
-            _log_score_checkpoint(run, m, window, epoch, batch_idx)
+            scored = _log_score_checkpoint(run, m, window, epoch, batch_idx)
+            if scored is not None:
+                stats.curve.append({"step": trainer.step, "tokens": stats.tokens,
+                                    "minutes": round((time.perf_counter() - t_train) / 60, 2),
+                                    "simulated": round(scored, 4)})
             if cfg.max_minutes and time.perf_counter() - t_train > cfg.max_minutes * 60:
                 stats.stopped_early = True
                 break
@@ -448,9 +488,10 @@ def _train_step(run: _Run, b: int, stats: _TrainStats) -> dict[str, float]:
 
 
 def _log_score_checkpoint(run: _Run, m: dict[str, float], window: dict[str, float], epoch: int,
-                          batch_idx: int) -> None:
+                          batch_idx: int) -> float | None:
     """After a step: the step's metrics into ``window``, logged as means every ``log_every``
-    steps; held-out acceptance every ``eval_every``; a checkpoint every ``checkpoint_every``."""
+    steps; held-out acceptance every ``eval_every`` (returned; else None); a checkpoint every
+    ``checkpoint_every``."""
     from draftadapt.train.trainer import acceptance_metrics
 
     cfg, step = run.cfg, run.trainer.step
@@ -461,11 +502,14 @@ def _log_score_checkpoint(run: _Run, m: dict[str, float], window: dict[str, floa
         cnt = window.pop("_n")
         run.logger.log_dict({name: v / cnt for name, v in window.items()}, step)
         window.clear()
+    scored = None
     if cfg.eval_every and step % cfg.eval_every == 0:
         visited, _ = run.trainer.score(run.heldout_batches(), cfg.k)
         run.logger.log_dict(acceptance_metrics(visited, "heldout"), step)
+        scored = visited.length
     if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
         run.checkpoint(epoch, batch_idx)
+    return scored
 
 
 def _score_and_save(run: _Run, stats: _TrainStats, t_start: float) -> dict:
@@ -485,6 +529,7 @@ def _score_and_save(run: _Run, stats: _TrainStats, t_start: float) -> dict:
         "epochs_planned": cfg.epochs,
         "stopped_early": stats.stopped_early,
         "train_sequences": len(run.train_seqs),
+        "train_tokens": sum(len(s.response_ids) for s in run.train_seqs),
         "acceptance_length_simulated": round(visited.length, 4),
         "acceptance_length_simulated_all_starts": round(uniform.length, 4),
         "per_position_acceptance": [round(x, 4) for x in visited.per_position],
@@ -492,6 +537,7 @@ def _score_and_save(run: _Run, stats: _TrainStats, t_start: float) -> dict:
         "train_seconds": round(stats.train_seconds, 1),
         "capture_seconds": round(stats.capture_s, 1),
         "seconds_per_step": round(stats.step_s / max(trainer.step - stats.first_step, 1), 4),
+        "heldout_curve": stats.curve,  # eval_every's scores: step, tokens, minutes of training, simulated
     }
     draft_out = trainer.export_draft()  # every rank: ZeRO-3 gathers the partitions
     if run.is_main:

@@ -104,8 +104,13 @@ class TRLToyConfig:
             return {}
         g, e = d["grpo"], d["eval"]
         return {"steps": g.steps, "prompts_per_step": g.prompts_per_step, "group_size": g.group_size,
-                "micro_batch": g.micro_batch, "max_tokens": g.max_tokens, "lr": g.lr, "warmup_steps": g.warmup_steps,
+                "micro_batch": g.micro_batch, "max_tokens": g.max_tokens, "temperature": g.temperature, "lr": g.lr,
+                "warmup_steps": g.warmup_steps,
                 "beta": g.kl_coef, "eval_prompts": e.prompts, "pretrain_prompts": d["pretrain_prompts"]}
+
+    @property
+    def sampling_temperature(self) -> float:  # what the worlds' prepare() pretrains the draft at
+        return self.temperature
 
     def validate(self) -> None:
         # what SpeculativeRollouts refuses (an Eagle-3 head at k), refused before the world is built

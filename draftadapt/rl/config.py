@@ -214,6 +214,11 @@ class DemoConfig:
             return self.spec and self.engines == 1
         return self.k_policy == "online"
 
+    @property
+    def sampling_temperature(self) -> float:
+        """What the engines sample at (grpo.temperature): the draft is pretrained at it too."""
+        return self.grpo.temperature
+
     def validate(self) -> None:
         if self.k < 1:
             raise ConfigError(f"k={self.k}: give the number of tokens the draft proposes per step (>= 1), or leave "
@@ -248,6 +253,10 @@ class DemoConfig:
             if on:
                 raise ConfigError(f"engines={self.engines} runs the synchronous Ray fleet; it does not combine with "
                                   f"{', '.join(on)}: drop those, or use engines=1")
+        if self.async_lag and self.grpo.off_policy_clip > 0 and self.grpo.temperature != 1.0:
+            raise ConfigError(f"async_lag={self.async_lag} with grpo.temperature={self.grpo.temperature}: the off-policy "
+                              "weights read the engine's raw log-probs, which are the sampled distribution's only at "
+                              "temperature 1; set grpo.temperature=1 or grpo.off_policy_clip=0")
         if self.sync and not self.async_lag:
             raise ConfigError("sync= compares an asynchronous run with a synchronous one: set async_lag=1 too")
         demo_adapter(self)  # adapter.k=4 beside k=3 (or method, temperature) is refused before anything runs
@@ -259,8 +268,11 @@ def world_defaults(world: str) -> dict:
     file still sets only itself."""
     if world != "smollm2":
         return {}
-    return {"grpo": GRPOConfig(steps=15, prompts_per_step=8, group_size=4, max_tokens=128, lr=5e-5, warmup_steps=2,
-                               kl_coef=0.05, micro_batch=16),
+    # temperature 0.7, measured (docs/results.md, "A head worth adapting"): at 1.0 the 4-bit model
+    # rambles (256 problems: 3.1% correct, 1.6% ending on the answer line the bonus pays for; too
+    # rare for groups of 4 to see), at 0.7 it stays on task (7.4%, 9.4%), and RL runs sample at 0.6-1.0
+    return {"grpo": GRPOConfig(steps=15, prompts_per_step=8, group_size=4, max_tokens=128, temperature=0.7, lr=5e-5,
+                               warmup_steps=2, kl_coef=0.05, micro_batch=16),
             "eval": EvalConfig(prompts=16, max_tokens=128),
             "pretrain_prompts": 0}  # the recipe's own
 
@@ -271,20 +283,27 @@ def train_depth(k: int, ttt_steps: int) -> int:
     (docs/design.md, "MTP"). ``ttt_steps`` (the recipe's or the adapter's) when it is deeper."""
     return max(ttt_steps, k)
 
-def pretrain_overrides(recipe: str | Path, method: str, k: int, prompts: int) -> list[str]:
+def pretrain_overrides(recipe: str | Path, method: str, k: int, prompts: int,
+                       temperature: float | None = None) -> list[str]:
     """A toy run's settings over its pretrain ``recipe``: its data size (``prompts``; 0 keeps the
-    recipe's), its ``k``, and a TTT depth of at least k (the recipe's own where it is deeper).
-    Shared by the demo and recipes/trl_grpo_toy.py, so it takes the fields, not a config."""
+    recipe's), its ``k``, a TTT depth of at least k (the recipe's own where it is deeper) and the
+    run's sampling ``temperature`` where it is not the recipe's (a draft is distilled at the
+    temperature it will serve). Shared by the demo and the recipes, so it takes the fields, not a
+    config."""
     from draftadapt.pretrain import PretrainConfig
 
     out = [f"data.num_prompts={prompts}"] if prompts else []
-    base = load_config(PretrainConfig, recipe, [f"method={method}"]).train.ttt_steps
-    depth = train_depth(k, base)
-    return out + [f"k={k}"] + ([f"train.ttt_steps={depth}"] if depth != base else [])
+    base = load_config(PretrainConfig, recipe, [f"method={method}"])
+    depth = train_depth(k, base.train.ttt_steps)
+    out += [f"k={k}"] + ([f"train.ttt_steps={depth}"] if depth != base.train.ttt_steps else [])
+    return out + ([f"generate.temperature={temperature}"]
+                  if temperature is not None and temperature != base.generate.temperature else [])
 
 def demo_pretrain_overrides(cfg: DemoConfig, recipe: str | Path) -> list[str]:
-    """The demo's overrides over ``recipe`` (cfg.pretrain_recipe, or its world's own)."""
-    return pretrain_overrides(cfg.pretrain_recipe or recipe, cfg.method, cfg.k, cfg.pretrain_prompts)
+    """The run's overrides over ``recipe`` (cfg.pretrain_recipe, or its world's own); ``cfg``: the
+    demo's config or a recipe's with the same fields (``sampling_temperature`` among them)."""
+    return pretrain_overrides(cfg.pretrain_recipe or recipe, cfg.method, cfg.k, cfg.pretrain_prompts,
+                              cfg.sampling_temperature)
 
 def demo_adapter(cfg: DemoConfig) -> AdapterConfig:
     """cfg.adapter with the demo's method, k and sampling temperature passed down (adapter.method,

@@ -18,14 +18,16 @@ def policy_precision(policy, cfg: GRPOConfig) -> str:
     return cfg.precision if cfg.precision != "auto" else auto_precision(next(policy.parameters()).device, policy)
 
 
-def token_logprobs(model, batch: dict, handover=None, index=None) -> torch.Tensor:
-    """log p_model(token u+1 | tokens <= u) for every slot: [B, T-1]. With a draftadapt
-    ``handover`` the forward's aux states and logits are also handed to the adapter (rows
-    ``index`` of the step's rollouts): the adapter then runs no forward of its own."""
+def token_logprobs(model, batch: dict, handover=None, index=None, temperature: float = 1.0) -> torch.Tensor:
+    """log p_model(token u+1 | tokens <= u) for every slot: [B, T-1], of the distribution sampled
+    at ``temperature`` (softmax(logits / T), as the engine samples; TRL's GRPO divides so too).
+    With a draftadapt ``handover`` the forward's aux states and raw logits are also handed to the
+    adapter (rows ``index`` of the step's rollouts; it applies its own temperature): the adapter
+    then runs no forward of its own."""
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     if handover is not None:
         handover.add(index, logits, batch["attention_mask"])
-    logp = torch.log_softmax(logits.float(), dim=-1)[:, :-1]
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)[:, :-1]
     return logp.gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
 
 
@@ -81,7 +83,7 @@ def grpo_update(policy, reference, opt, problems, rollouts, cfg: GRPOConfig, pad
         batch = collate([seqs[i] for i in idx], pad_id)
         mask = batch["loss_mask"][:, :-1].float()  # slots whose next token is a response token
         with autocast:
-            lp = token_logprobs(policy, batch, handover, idx)
+            lp = token_logprobs(policy, batch, handover, idx, cfg.temperature)
         weight = mask
         if off_policy:
             weight = mask * torch.exp(lp.detach() - sampler_logprobs([rollouts[i] for i in idx], lp.shape)).clamp(
@@ -90,7 +92,7 @@ def grpo_update(policy, reference, opt, problems, rollouts, cfg: GRPOConfig, pad
         loss = pg
         if cfg.kl_coef and mask.sum() > 0:
             with torch.no_grad(), autocast:
-                ref_lp = token_logprobs(reference, batch)
+                ref_lp = token_logprobs(reference, batch, temperature=cfg.temperature)
             kl = kl_to_reference(lp, ref_lp, mask) * mask.sum() / max(n_tokens, 1)
             loss = loss + cfg.kl_coef * kl
             kl_sum += float(kl.detach())

@@ -4,8 +4,9 @@ package's GGUF (smollm2/convert.py), the task's files beside it, checked in vLLM
     draftadapt smollm2 build --out runs/smollm2/model
 
 The model directory gains ``heldout.jsonl`` (the problems every measurement arm generates on;
-pretrain's held-out prompts too) and ``prompts.jsonl`` (the problems a draft is pretrained on:
-``data.source`` of recipes/pretrain_eagle3_smollm2.yaml). ``smollm2.json``, written last, marks
+pretrain's held-out prompts too), ``prompts.jsonl`` (the problems a draft is pretrained on:
+``data.source`` of recipes/pretrain_eagle3_smollm2.yaml) and ``worked.jsonl`` (those problems
+with worked answers, which the draft is distilled on without decoding: ``data.prefill``). ``smollm2.json``, written last, marks
 a complete build: a directory without it is rebuilt.
 """
 
@@ -20,6 +21,7 @@ from draftadapt.smollm2.convert import DONE, ModelSourceError, convert, finish
 
 HELDOUT = "heldout.jsonl"
 PROMPTS = "prompts.jsonl"
+WORKED = "worked.jsonl"  # prompts.jsonl's problems with worked answers: pretrain's data.prefill
 HELDOUT_SEED, PROMPTS_SEED = 1_000_003, 2_000_003  # fixed draws: the same files on every machine
 NUM_HELDOUT, NUM_PROMPTS = 256, 4096
 CHECK_PROMPTS, CHECK_TOKENS = 4, 24  # greedy agreement between transformers and vLLM at build time
@@ -39,6 +41,17 @@ def write_task_files(model_dir: Path) -> None:
     pool = [p for p in task.sample_problems(NUM_PROMPTS + NUM_HELDOUT, PROMPTS_SEED, tok) if p["question"] not in seen]
     task.write_problems(model_dir / HELDOUT, held)
     task.write_problems(model_dir / PROMPTS, pool[:NUM_PROMPTS])
+    write_worked(model_dir)
+
+
+def write_worked(model_dir: Path) -> None:
+    """worked.jsonl: every problem of prompts.jsonl with a worked answer (task.worked_answer)."""
+    problems = task.load_problems(model_dir / PROMPTS)
+    if "steps" not in problems[0]:  # a build from before problems recorded their steps: redraw them
+        tok = tokenizer(model_dir)
+        redrawn = {p["question"]: p for p in task.sample_problems(NUM_PROMPTS + NUM_HELDOUT, PROMPTS_SEED, tok)}
+        problems = [redrawn[p["question"]] for p in problems]
+    task.write_problems(model_dir / WORKED, task.worked_examples(problems, PROMPTS_SEED))
 
 
 def check_greedy(model_dir: Path, prompts: list[str], max_tokens: int = CHECK_TOKENS) -> dict:
@@ -80,6 +93,8 @@ def build(out: str | Path, dtype: str = "float32") -> dict:
     """The model directory, complete: converted, the task's files written, checked in vLLM."""
     out = Path(out)
     if (out / DONE).is_file():
+        if not (out / WORKED).is_file():  # built before worked answers were written: text only, no model run
+            write_worked(out)
         return json.loads((out / DONE).read_text())
     print(f"[smollm2] converting the packaged GGUF into {out} (about 2 minutes, once)", flush=True)
     info = convert(out, dtype=dtype)

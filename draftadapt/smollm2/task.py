@@ -33,37 +33,42 @@ _NUMBER_RE = re.compile(r"-?\d+(?:,\d{3})*")
 _ANSWER_LINE_RE = re.compile(r"answer(?::| is:?)\s*(-?\d+)\s*\.?\s*$", re.IGNORECASE)
 
 
-def _one_step(rng: random.Random, name: str, thing: str, have: int) -> tuple[str, int]:
-    """One sentence that changes ``have``; returns (sentence, new total)."""
+def _one_step(rng: random.Random, name: str, thing: str, have: int) -> tuple[str, int, list]:
+    """One sentence that changes ``have``; returns (sentence, new total, [op, operand])."""
     op = rng.choice(("add", "sub", "mul", "div"))
     if op == "add":
         n = rng.randint(2, 30)
-        return rng.choice((f"{name} buys {n} more.", f"A friend gives {name} {n} more.")), have + n
+        return rng.choice((f"{name} buys {n} more.", f"A friend gives {name} {n} more.")), have + n, ["add", n]
     if op == "sub" and have > 2:
         n = rng.randint(1, have - 1)
-        return rng.choice((f"{name} gives away {n}.", f"{name} loses {n} of them.")), have - n
+        return rng.choice((f"{name} gives away {n}.", f"{name} loses {n} of them.")), have - n, ["sub", n]
     if op == "div" and have >= 4:
         ways = [d for d in range(2, 7) if have % d == 0 and have // d >= 1]
         if ways:
             d = rng.choice(ways)
-            return f"{name} shares them equally among {d} friends. How many does each friend get?", have // d
+            return (f"{name} shares them equally among {d} friends. How many does each friend get?", have // d,
+                    ["div", d])
     n = rng.randint(2, 5)
-    return f"{name} then gets {n} times as many.", have * n
+    return f"{name} then gets {n} times as many.", have * n, ["mul", n]
 
 
 def make_problem(rng: random.Random) -> dict:
     name, thing = rng.choice(NAMES), rng.choice(THINGS)
     have = rng.randint(3, 40)
     parts = [f"{name} has {have} {thing}."]
-    total = have
+    total, steps = have, []
     for _ in range(rng.choice((1, 1, 1, 2))):
-        sentence, total = _one_step(rng, name, thing, total)
+        sentence, total, step = _one_step(rng, name, thing, total)
         parts.append(sentence)
+        steps.append(step)
         if sentence.endswith("?"):
             break  # a share question asks about each friend: nothing can follow it
     if not parts[-1].endswith("?"):
         parts.append(f"How many {thing} does {name} have now?")
-    return {"question": " ".join(parts), "answer": str(total)}
+    # name, thing, start and steps: what worked_answer() writes a solution from (no extra draws,
+    # so the questions are those of every earlier build)
+    return {"question": " ".join(parts), "answer": str(total), "name": name, "thing": thing, "start": have,
+            "steps": steps}
 
 
 def sample_problems(n: int, seed: int, tokenizer=None) -> list[dict]:
@@ -103,6 +108,54 @@ def style_of(completion: str) -> str:
     """"answer_line" when the completion's last line ends with "Answer: N" (or "the answer is N"), else "plain"."""
     last = completion.strip().rsplit("\n", 1)[-1]
     return "answer_line" if _ANSWER_LINE_RE.search(last) else "plain"
+
+
+# Worked answers: on-task text the world writes without decoding, for a draft to be distilled on
+# (the target's distribution over it: pretrain's data.prefill). Each step as an equation, in one
+# of a few layouts and symbols, ending in the answer line the prompt asks for.
+_SYMBOLS = {"add": ("+",), "sub": ("-",), "mul": ("x", "*", "×"), "div": ("/", "÷")}
+
+
+def _step_phrase(op: str, n: int, name: str, thing: str) -> str:
+    return {"add": f"{name} gets {n} more {thing}", "sub": f"{name} gives away {n} {thing}",
+            "mul": f"{name} gets {n} times as many", "div": f"the {thing} are shared among {n} friends"}[op]
+
+
+def worked_answer(problem: dict, rng: random.Random) -> str:
+    """A correct worked solution of ``problem`` (a :func:`make_problem` dict) ending in the answer
+    line; ``rng`` picks the layout and the symbols."""
+    name, thing, total = problem["name"], problem["thing"], problem["start"]
+    lines = []
+    layout = rng.choice(("steps", "prose", "equations", "breakdown"))
+    for i, (op, n) in enumerate(problem["steps"]):
+        before = total
+        total = {"add": before + n, "sub": before - n, "mul": before * n, "div": before // n}[op]
+        eq = f"{before} {rng.choice(_SYMBOLS[op])} {n} = {total}"
+        phrase = _step_phrase(op, n, name, thing)
+        if layout == "steps":
+            lines.append(f"Step {i + 1}: {phrase[0].upper() + phrase[1:]}: {eq}.")
+        elif layout == "prose":
+            who = f"each friend gets {total}" if op == "div" else f"{name} has {total} {thing}"
+            lines.append(f"{phrase[0].upper() + phrase[1:]}, so {eq} and {who}.")
+        elif layout == "equations":
+            lines.append(eq)
+        else:
+            lines.append(f"{i + 1}. {phrase[0].upper() + phrase[1:]}: {eq}")
+    assert str(total) == problem["answer"], problem
+    if layout == "breakdown":
+        lines.insert(0, f"Let's break it down. {name} starts with {problem['start']} {thing}.\n")
+        return "\n".join(lines) + f"\n\nSo, the answer is {total}."
+    if layout == "prose":
+        lines.insert(0, f"{name} starts with {problem['start']} {thing}.")
+        return " ".join(lines) + f"\nAnswer: {total}"
+    return "\n".join(lines) + f"\nAnswer: {total}"
+
+
+def worked_examples(problems: list[dict], seed: int) -> list[dict]:
+    """``{"prompt", "response"}`` rows: each problem's chat prompt with a worked answer (the
+    same rows for the same problems and seed)."""
+    rng = random.Random(seed)
+    return [{"prompt": p["prompt"], "response": worked_answer(p, rng)} for p in problems]
 
 
 def write_problems(path: str | Path, problems: list[dict]) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 from draftadapt.drafts.formats import META_FILE
 from draftadapt.rl.world import copy_model_files
 from draftadapt.smollm2 import task
-from draftadapt.smollm2.build import HELDOUT, PROMPTS, build, tokenizer
+from draftadapt.smollm2.build import HELDOUT, PROMPTS, WORKED, build, tokenizer
 
 PRETRAIN_RECIPE = Path(__file__).with_name("pretrain_eagle3.yaml")
 
@@ -73,6 +73,7 @@ class SmolLM2:
         return [f"data.source={Path(target) / PROMPTS}"]
 
     def save_policy(self, policy, target: Path, path: Path) -> None:
-        """The policy (float32, as it trains) with the tokenizer, chat template and task files."""
+        """The policy (float32, as it trains) with the tokenizer, chat template and task files
+        (worked.jsonl among them: a draft pretrained on the saved policy can take it as data.prefill)."""
         policy.save_pretrained(str(path), safe_serialization=True)
-        copy_model_files(target, path, (HELDOUT, PROMPTS))
+        copy_model_files(target, path, (HELDOUT, PROMPTS, WORKED))

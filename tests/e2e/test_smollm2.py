@@ -116,7 +116,8 @@ def test_lossless_on_the_real_model(smollm2_model, smollm2_demo):
 
 def test_the_readme_commands_on_the_real_model(smollm2_model, tmp_path):
     """`smollm2 build` (on a built directory: the check it wrote, no rebuild), then `pretrain` with
-    the SmolLM2 recipe and `eval` of its head, shortened: 8 problems, 24-token answers, one epoch."""
+    the SmolLM2 recipe and `eval` of its head, shortened: 8 regenerated replies and 8 worked answers,
+    24-token answers, one epoch."""
     build = subprocess.run([sys.executable, "-m", "draftadapt.cli", "smollm2", "build", "--out", str(smollm2_model)],
                            capture_output=True, text=True, timeout=120)
     assert build.returncode == 0, build.stderr[-2000:]
@@ -125,15 +126,21 @@ def test_the_readme_commands_on_the_real_model(smollm2_model, tmp_path):
     draft = tmp_path / "draft0"
     pre = subprocess.run([sys.executable, "-m", "draftadapt.cli", "pretrain", "recipes/pretrain_eagle3_smollm2.yaml",
                           f"target={smollm2_model}", f"out={draft}", f"data.source={smollm2_model / 'prompts.jsonl'}",
-                          "data.num_prompts=8", "data.heldout_prompts=4", "generate.max_tokens=24", "epochs=1",
-                          "train.batch_size=4"],
+                          f"data.prefill={smollm2_model / 'worked.jsonl'}", "data.num_prompts=8", "data.prefill_num=8",
+                          "data.heldout_prompts=4", "generate.max_tokens=24", "epochs=1", "train.batch_size=4"],
                          capture_output=True, text=True, timeout=900, cwd=REPO)
     assert pre.returncode == 0, pre.stdout[-2000:] + pre.stderr[-3000:]
     config = json.loads((draft / "config.json").read_text())
     # the recipe's choices for this model: 8192 draft tokens, aux layers low / middle / high of 30
     assert (config["draft_vocab_size"], config["eagle_aux_hidden_state_layer_ids"]) == (DRAFT_VOCAB, [2, 15, 27])
+    # its data: 8 replies regenerated at the world's temperature and 8 worked answers `smollm2 build` wrote
+    summary = json.loads((draft / "pretrain" / "summary.json").read_text())
+    assert summary["train_sequences"] == 16, summary
+    assert "temperature: 0.7" in (draft / "pretrain" / "config.yaml").read_text()
+    worked = [json.loads(line) for line in (draft / "pretrain" / "data" / "prefill.jsonl").read_text().splitlines()]
+    assert len(worked) == 8 and all(w["response_ids"][-1] == 2 for w in worked)  # each ends with <|im_end|>
     ev = subprocess.run([sys.executable, "-m", "draftadapt.cli", "eval", "--target", str(smollm2_model), "--draft",
-                         str(draft), "--k", "3", "--temperature", "1", "--num-prompts", "4", "--max-tokens", "24",
+                         str(draft), "--k", "3", "--temperature", "0.7", "--num-prompts", "4", "--max-tokens", "24",
                          "--json"], capture_output=True, text=True, timeout=900)
     assert ev.returncode == 0, ev.stderr[-3000:]
     e = json.loads(ev.stdout.strip().splitlines()[-1])

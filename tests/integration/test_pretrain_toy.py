@@ -123,3 +123,69 @@ def test_regenerated_data_do_not_depend_on_the_host_generator(eagle3_run, toy_ta
         _regenerate_data(cfg, Path(toy_target), data, TOY)
     for name in ("train.jsonl", "heldout.jsonl"):
         assert (data / name).read_bytes() == (eagle3_run[0] / "pretrain/data" / name).read_bytes(), name
+
+
+def test_a_prefill_file_is_distilled_without_decoding(eagle3_run, toy_target, tmp_path):
+    """data.prefill: responses read as written, the target's distribution over them distilled;
+    with data.num_prompts=0 the engine regenerates only the held-out set."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(toy_target))
+    # the target's own responses of the run above, as text: the same signal the regenerated data carry
+    seqs = [json.loads(line) for line in (eagle3_run[0] / "pretrain/data/train.jsonl").read_text().splitlines()]
+    rows = [{"question": tok.decode(s["prompt_ids"], skip_special_tokens=True),
+             "worked": tok.decode(s["response_ids"], skip_special_tokens=True)} for s in seqs]
+    prefill = tmp_path / "prefill.jsonl"
+    prefill.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out"
+    proc = run_cli("pretrain", "recipes/pretrain_eagle3_toy.yaml", f"target={toy_target}", f"out={out}",
+                   "max_steps=2", *SMALL, "data.num_prompts=0", f"data.prefill={prefill}", "data.prompt_field=question",
+                   "data.response_field=worked", "data.prefill_num=40", "eval_every=1")
+    summary = last_json(proc.stdout)
+    assert summary["train_sequences"] == 40 and summary["steps"] == 2
+    # the held-out curve: a score after each step against the tokens and minutes spent on it
+    curve = summary["heldout_curve"]
+    assert [c["step"] for c in curve] == [1, 2] and 0 < curve[0]["tokens"] < curve[1]["tokens"], curve
+    # two batches of 16 of the 40 responses: their tokens, not the prompts' (nor all 40 responses')
+    assert 0.5 * summary["train_tokens"] < curve[1]["tokens"] < summary["train_tokens"], (curve, summary)
+    assert 0 <= curve[0]["minutes"] <= curve[1]["minutes"] and curve[1]["simulated"] == summary[
+        "acceptance_length_simulated"], curve
+    assert (out / "pretrain/data/train.jsonl").read_text() == ""  # nothing regenerated to train on
+    held = (out / "pretrain/data/heldout.jsonl").read_text().splitlines()
+    assert len(held) == 16  # the held-out set is still the target's own responses
+    got = [json.loads(line) for line in (out / "pretrain/data/prefill.jsonl").read_text().splitlines()]
+    by_prompt = {r["question"]: r["worked"] for r in rows}
+    assert len(got) == 40 and summary["train_tokens"] == sum(len(g["response_ids"]) for g in got)
+    for g in got:  # each response tokenized as written, ending with the EOS a finished reply ends with
+        text = by_prompt[tok.decode(g["prompt_ids"], skip_special_tokens=True)]
+        assert g["response_ids"] == tok(text, add_special_tokens=False).input_ids + [tok.eos_token_id]
+    # Two steps on the target's responses read from text score as two on regenerated ones do
+    # (the run above: 1.276 against an untrained head's 1.016); the bar is halfway.
+    assert summary["acceptance_length_simulated"] > 1.15
+    # a rerun with other prefill settings rebuilds prefill.jsonl (the regenerated data are kept:
+    # no engine starts here); with the same settings it is left as it is
+    from draftadapt.config import load_config
+    from draftadapt.pretrain import PretrainConfig, _regenerate_data
+
+    def regenerate(num: int) -> list[str]:
+        cfg = load_config(PretrainConfig, REPO / "recipes/pretrain_eagle3_toy.yaml", [
+            f"target={toy_target}", f"out={out}", *SMALL, "data.num_prompts=0", f"data.prefill={prefill}",
+            "data.prompt_field=question", "data.response_field=worked", f"data.prefill_num={num}"])
+        _regenerate_data(cfg, Path(toy_target), out / "pretrain/data")
+        return (out / "pretrain/data/prefill.jsonl").read_text().splitlines()
+
+    assert len(regenerate(20)) == 20
+    before = (out / "pretrain/data/prefill.jsonl").stat().st_mtime_ns
+    assert len(regenerate(20)) == 20 and (out / "pretrain/data/prefill.jsonl").stat().st_mtime_ns == before
+
+
+def test_prefill_settings_are_checked_before_anything_runs(tmp_path):
+    from draftadapt.config import ConfigError, load_config
+    from draftadapt.pretrain import PretrainConfig
+
+    base = [f"target={tmp_path}", f"out={tmp_path / 'out'}"]
+    with pytest.raises(ConfigError, match="data.num_prompts=0 leaves nothing to train on"):
+        load_config(PretrainConfig, REPO / "recipes/pretrain_eagle3_toy.yaml", [*base, "data.num_prompts=0"])
+    with pytest.raises(ConfigError, match="data.num_prompts and data.prefill_num must be >= 0"):
+        load_config(PretrainConfig, REPO / "recipes/pretrain_eagle3_toy.yaml", [*base, "data.prefill_num=-1",
+                                                                                "data.prefill=x.jsonl"])

@@ -154,6 +154,9 @@ def test_demo_drafts_are_trained_at_least_k_steps_deep(tmp_path):
     cfg = load_config(DemoConfig, None, ["k=5", f"pretrain_recipe={deep}", "adapter.train.ttt_steps=6"])
     assert demo_pretrain_overrides(cfg, PRETRAIN_RECIPE) == ["data.num_prompts=768", "k=5"]
     assert demo_adapter(cfg).train.ttt_steps == 6
+    # a run sampling at another temperature than the recipe's pretrains its draft at the run's
+    cfg = load_config(DemoConfig, None, ["grpo.temperature=0.7"])
+    assert demo_pretrain_overrides(cfg, PRETRAIN_RECIPE) == ["data.num_prompts=768", "k=3", "generate.temperature=0.7"]
 
 
 def test_demo_engines_refuses_what_the_fleet_does_not_run():
@@ -218,12 +221,17 @@ def test_the_schedules_fractions_are_checked_naming_the_key(override, message):
 def test_demo_world_sets_the_runs_sizes_and_refuses_what_it_cannot_serve():
     """world=smollm2 starts from its own GRPO and eval sizes (a key given still wins); an MTP
     method on it is refused naming the fix."""
-    from draftadapt.rl.config import DemoConfig, GRPOConfig
+    from draftadapt.rl.config import DemoConfig, GRPOConfig, demo_adapter, demo_pretrain_overrides
+    from draftadapt.smollm2.world import PRETRAIN_RECIPE as SMOLLM2_RECIPE
 
     toy, smol = load_config(DemoConfig, None, []), load_config(DemoConfig, None, ["world=smollm2"])
     assert toy.grpo == GRPOConfig() and toy.pretrain_prompts == 768
     assert (smol.grpo.prompts_per_step, smol.grpo.max_tokens, smol.grpo.lr, smol.eval.max_tokens) == (8, 128, 5e-5, 128)
     assert smol.pretrain_prompts == 0  # the SmolLM2 recipe's own
+    # it samples at 0.7 (on task there), and so its head is distilled and its adapter trained at 0.7
+    assert smol.grpo.temperature == 0.7 and toy.grpo.temperature == 1.0
+    assert demo_adapter(smol).temperature == 0.7
+    assert "generate.temperature=0.7" not in demo_pretrain_overrides(smol, SMOLLM2_RECIPE)  # the recipe's own
     assert load_config(DemoConfig, None, ["world=smollm2", "grpo.lr=1e-5"]).grpo.max_tokens == 128
     with pytest.raises(ConfigError, match=r"method=mtp: world=smollm2 serves an Eagle-3 head"):
         load_config(DemoConfig, None, ["world=smollm2", "method=mtp"])

@@ -134,3 +134,30 @@ def test_the_update_in_bf16_autocast_moves_the_policy_as_float32_does():
     assert grpo.policy_precision(reference, GRPOConfig()) == "fp32"
     with pytest.raises(ConfigError, match="grpo.precision"):
         DemoConfig(grpo=GRPOConfig(precision="fp16")).validate()
+
+
+def test_log_probs_are_those_of_the_distribution_sampled_at_the_temperature():
+    """At grpo.temperature T the update differentiates log softmax(logits / T), the distribution
+    the engine sampled the tokens from (at T=1 the raw one); the async loop's importance weights,
+    which read the engine's raw log-probs, are refused at T != 1."""
+    from draftadapt.config import ConfigError, load_config
+    from draftadapt.rl.config import DemoConfig
+
+    tok = build_tokenizer()
+    small = ToyModelConfig(num_layers=2, hidden_size=64, num_heads=2, num_kv_heads=2, intermediate_size=128)
+    model = build_model(small, seed=0).eval()
+    _, rollouts = _rollouts(tok, 4, seed=5)
+    batch = collate(as_sequences(rollouts), 0)
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
+        for t in (1.0, 0.7):
+            want = torch.log_softmax(logits / t, -1)[:, :-1].gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
+            assert torch.allclose(grpo.token_logprobs(model, batch, temperature=t), want, atol=1e-6)
+        mask = batch["loss_mask"][:, :-1]
+        # sharper at 0.7: the likelier tokens' log-probs rise, so the two must differ where it counts
+        assert not torch.allclose(grpo.token_logprobs(model, batch, temperature=0.7)[mask],
+                                  grpo.token_logprobs(model, batch)[mask], atol=1e-3)
+    with pytest.raises(ConfigError, match=r"async_lag=1 with grpo.temperature=0.7: .*set grpo.temperature=1 or "
+                                          r"grpo.off_policy_clip=0"):
+        load_config(DemoConfig, None, ["async_lag=1", "grpo.temperature=0.7"])
+    load_config(DemoConfig, None, ["async_lag=1", "grpo.temperature=0.7", "grpo.off_policy_clip=0"])

