@@ -216,7 +216,8 @@ def regenerate(engine, prompt_ids: list[list[int]], temperature: float, max_toke
 
 
 def _regenerate_data(cfg: PretrainConfig, target: Path, data_dir: Path, toy: ToyWorld | None = None) -> None:
-    """Prompts -> the target's own responses through vLLM; written once, reused on resume."""
+    """Prompts -> the target's own responses through vLLM, and data.prefill's rows as sequences;
+    written once, reused on resume."""
     from transformers import AutoTokenizer
 
     from draftadapt.data.prompts import tokenize_prompts
@@ -224,22 +225,12 @@ def _regenerate_data(cfg: PretrainConfig, target: Path, data_dir: Path, toy: Toy
     from draftadapt.engine.rollout import RolloutEngine
 
     train_file, held_file = data_dir / "train.jsonl", data_dir / "heldout.jsonl"
-    tok = AutoTokenizer.from_pretrained(str(target))
     d = cfg.data
     if d.prefill:
-        # rebuilt when the settings that made it change (it is text, tokenized: seconds)
-        made_by = json.dumps([str(Path(d.prefill).resolve()), d.prefill_num, d.seed, d.prompt_field, d.response_field,
-                              d.chat_template])
-        stamp = data_dir / (PREFILL_FILE + ".from")
-        if not (data_dir / PREFILL_FILE).is_file() or not stamp.is_file() or stamp.read_text() != made_by:
-            from draftadapt.data.prompts import load_prefill_file
-
-            save_sequences(data_dir / PREFILL_FILE,
-                           load_prefill_file(tok, d.prefill, d.prefill_num, d.seed, d.prompt_field, d.response_field,
-                                             d.chat_template))
-            stamp.write_text(made_by)
+        _prefill_data(cfg, target, data_dir)
     if train_file.is_file() and held_file.is_file():
         return
+    tok = AutoTokenizer.from_pretrained(str(target))
     train_prompts = list(load_prompts(d.source, d.num_prompts, d.seed, d.prompt_field, toy)["prompt"]) if d.num_prompts else []
     held = heldout_prompts(target, d.source, d.heldout_prompts, d.seed, d.prompt_field, toy)
     g = cfg.generate
@@ -261,6 +252,26 @@ def _regenerate_data(cfg: PretrainConfig, target: Path, data_dir: Path, toy: Toy
         engine.close()
     save_sequences(held_file, heldout)
     save_sequences(train_file, train)  # last: its presence means the data is complete
+
+
+def _prefill_data(cfg: PretrainConfig, target: Path, data_dir: Path) -> None:
+    """data.prefill's rows as token sequences in data/prefill.jsonl, rebuilt when the settings
+    that made it change (text, tokenized: seconds)."""
+    from transformers import AutoTokenizer
+
+    from draftadapt.data.prompts import load_prefill_file
+    from draftadapt.data.sequences import save_sequences
+
+    d = cfg.data
+    made_by = json.dumps([str(Path(d.prefill).resolve()), d.prefill_num, d.seed, d.prompt_field, d.response_field,
+                          d.chat_template])
+    stamp = data_dir / (PREFILL_FILE + ".from")
+    if (data_dir / PREFILL_FILE).is_file() and stamp.is_file() and stamp.read_text() == made_by:
+        return
+    tok = AutoTokenizer.from_pretrained(str(target))
+    save_sequences(data_dir / PREFILL_FILE, load_prefill_file(tok, d.prefill, d.prefill_num, d.seed, d.prompt_field,
+                                                              d.response_field, d.chat_template))
+    stamp.write_text(made_by)
 
 
 def _latest_checkpoint(ckpt_dir: Path) -> Path | None:

@@ -13,16 +13,17 @@ equal work; issue 54's: <= 1.0 for the trained row, draftadapt's default, at ``-
 Same work on both sides: ``--seqs`` random sequences of ``--seq-len`` tokens (every token a loss
 token but each sequence's last), three TTT steps (weights 0.8^i), random weights at the size's
 widths (``bench_adapter.SIZES``: a 128256-token target vocabulary, a 32000-token draft vocabulary),
-float32 master weights, global grad-norm clip 1.0. ``--precision defaults`` (the default): each side
-at its own defaults, draftadapt at ``train.precision=auto`` with AdamW (betas 0.9 / 0.95),
+float32 master weights, global grad-norm clip 1.0. ``--precision defaults`` (the default): each
+side at its own defaults, draftadapt at ``train.precision=auto`` with AdamW (betas 0.9 / 0.95),
 speculators as its trainer runs unless told otherwise, bf16 autocast on any device and Muon + AdamW
 (issue 54's bar); ``auto`` / ``bf16`` / ``fp32``: that precision on both sides and AdamW on both
 (equal work). draftadapt reads the sequences as rows of a batch with the target's draft-vocab
-log-probs (what its capture hands over); speculators packs them into one row with document ids and computes the targets itself from the
-target's last hidden state through its frozen verifier lm_head (its KL loss in eager form,
-``resolve_loss_config("kl_div", "eager")``). Attention: draftadapt's SDPA with a block-diagonal
-causal mask, uncompiled; speculators' ``eager`` on CPU, its default flex attention (and its
-``torch.compile`` of forward) on CUDA (``--speculators-attn``). On CUDA both run under bf16 autocast.
+log-probs (what its capture hands over); speculators packs them into one row with document ids and
+computes the targets itself from the target's last hidden state through its frozen verifier lm_head
+(its KL loss in eager form, ``resolve_loss_config("kl_div", "eager")``). Attention: draftadapt's
+SDPA with a block-diagonal causal mask, uncompiled; speculators' ``eager`` on CPU, its default flex
+attention (and its ``torch.compile`` of forward) on CUDA (``--speculators-attn``). On CUDA both run
+under bf16 autocast.
 
 Per row: step_ms (median wall time of ``--steps`` steps after one warm-up), cpu_ms (the same steps'
 CPU time over all threads: on a shared machine the work done, where wall time also counts the

@@ -6,8 +6,8 @@ package's GGUF (smollm2/convert.py), the task's files beside it, checked in vLLM
 The model directory gains ``heldout.jsonl`` (the problems every measurement arm generates on;
 pretrain's held-out prompts too), ``prompts.jsonl`` (the problems a draft is pretrained on:
 ``data.source`` of recipes/pretrain_eagle3_smollm2.yaml) and ``worked.jsonl`` (those problems
-with worked answers, which the draft is distilled on without decoding: ``data.prefill``). ``smollm2.json``, written last, marks
-a complete build: a directory without it is rebuilt.
+with worked answers, which a draft can be distilled on without decoding: ``data.prefill``).
+``smollm2.json``, written last, marks a complete build: a directory without it is rebuilt.
 """
 
 from __future__ import annotations
@@ -45,12 +45,12 @@ def write_task_files(model_dir: Path) -> None:
 
 
 def write_worked(model_dir: Path) -> None:
-    """worked.jsonl: every problem of prompts.jsonl with a worked answer (task.worked_answer)."""
-    problems = task.load_problems(model_dir / PROMPTS)
-    if "steps" not in problems[0]:  # a build from before problems recorded their steps: redraw them
-        tok = tokenizer(model_dir)
-        redrawn = {p["question"]: p for p in task.sample_problems(NUM_PROMPTS + NUM_HELDOUT, PROMPTS_SEED, tok)}
-        problems = [redrawn[p["question"]] for p in problems]
+    """worked.jsonl: every problem of prompts.jsonl with a worked answer (task.worked_answer),
+    from the pool's draw (which records each problem's steps; a build from before it did lacks
+    them in prompts.jsonl, so the draw is the one source for both)."""
+    drawn = {p["question"]: p for p in task.sample_problems(NUM_PROMPTS + NUM_HELDOUT, PROMPTS_SEED,
+                                                            tokenizer(model_dir))}
+    problems = [drawn[p["question"]] for p in task.load_problems(model_dir / PROMPTS)]
     task.write_problems(model_dir / WORKED, task.worked_examples(problems, PROMPTS_SEED))
 
 
