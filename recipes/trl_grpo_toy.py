@@ -7,7 +7,7 @@ Builds (or reuses) the world's target and a pretrained Eagle-3 draft (``--world`
 default, or SmolLM2-135M-Instruct on word problems, as ``draftadapt demo world=``; its RL sizes are
 the demo's for that world), then runs TRL 1.16's GRPO on CPU: the target is the policy, the reward
 is the world's (correct final answer plus a bonus for the style RL drifts to, the toy's verbose
-answers or SmolLM2's answer line, which moves the policy away from what the draft was
+answers or SmolLM2's replies in French, which moves the policy away from what the draft was
 pretrained on), rollouts come from draftadapt's vLLM engine with speculation
 (``draftadapt.integrations.trl.SpeculativeRollouts``) and the draft is adapted online. After
 every optimizer step the frozen pretrained draft and the adapted one are measured on the same

@@ -7,7 +7,16 @@ style by measurement before spending an RL run on it (docs/results.md, "A real m
 
 ``--data``: a pretrain run's data/ directory (heldout.jsonl and train.jsonl, one reply a line as
 ``{"prompt_ids", "response_ids"}``: the target's own samples). Held-out replies come first, then
-training ones, up to ``--rows``. Each reply is scored alone (simulated acceptance at ``--k``,
+training ones, up to ``--rows``. With ``--instruction TEXT`` the replies are made first (when
+``--data`` has none yet): the target answers ``--rows`` of the SmolLM2 world's problems (a draw of
+its own, not the build's files) asked with TEXT in place of the task's instruction, at
+``--temperature``, 128 tokens, plain vLLM; so a candidate task is scored before anything is
+trained on it:
+
+    python scripts/style_acceptance.py --target runs/smol/model --draft runs/smol/draft1 \
+        --data runs/probe/french_or --rows 128 --temperature 0.7 \
+        --instruction "Solve it in English or in French, then end with a line 'Answer: N'."
+ Each reply is scored alone (simulated acceptance at ``--k``,
 visited starts, temperature ``--temperature``), then the per-reply counts are summed per group.
 Prints one line per style (share, acceptance with and without it, mean reply tokens), with
 ``--show N`` the N replies the draft accepts least and the N it accepts most (what separates them
@@ -33,7 +42,41 @@ STYLES = {
     "equation": lambda text, n: "=" in text,
     "markdown_bold": lambda text, n: "**" in text,
     "paragraphs": lambda text, n: "\n\n" in text,
+    "french": lambda text, n: _is_french(text),
 }
+
+
+def _is_french(text: str) -> bool:
+    from draftadapt.smollm2.task import is_french
+
+    return is_french(text)
+
+
+def make_replies(target: Path, data: Path, instruction: str, n: int, temperature: float, seed: int,
+                 max_tokens: int = 128) -> None:
+    """The target's replies to ``n`` of the SmolLM2 world's problems (drawn with ``seed`` + 4242)
+    asked with ``instruction`` instead of the task's, written as ``data``/train.jsonl (and an
+    empty heldout.jsonl) for :func:`load_replies`; nothing is done where train.jsonl exists."""
+    if (data / "train.jsonl").is_file():
+        return
+    from transformers import AutoTokenizer
+
+    from draftadapt.data.sequences import as_sequences, save_sequences
+    from draftadapt.engine.rollout import RolloutEngine
+    from draftadapt.smollm2 import task
+
+    tok = AutoTokenizer.from_pretrained(str(target))
+    problems = task.sample_problems(n, seed=seed + 4242)
+    # the world's own chat framing (task.render), its instruction swapped for the candidate's
+    prompts = [tok(task.render(tok, p["question"]).replace(task.INSTRUCTION, instruction)).input_ids for p in problems]
+    engine = RolloutEngine(target, None, max_model_len=512, max_num_seqs=64, kv_cache_gib=1.0, seed=seed)
+    try:
+        result = engine.generate(prompts, temperature=temperature, max_tokens=max_tokens, seed=seed, progress=True)
+    finally:
+        engine.close()
+    data.mkdir(parents=True, exist_ok=True)
+    save_sequences(data / "heldout.jsonl", [])
+    save_sequences(data / "train.jsonl", as_sequences(result.rollouts))  # last: its presence marks the data complete
 
 
 def load_replies(data: Path, rows: int, seed: int) -> list[dict]:
@@ -114,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--show", type=int, default=0, help="also print the N hardest and N easiest replies")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--instruction", default="",
+                    help="make --data first: the target's replies to --rows world problems asked with this instruction")
     a = ap.parse_args(argv)
     if a.rows < 1:
         ap.error(f"--rows {a.rows}: give at least 1")
@@ -122,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(a.threads)
+    if a.instruction:
+        make_replies(Path(a.target), Path(a.data), a.instruction, a.rows, a.temperature, a.seed)
     scored = score_each(Path(a.target), Path(a.draft), load_replies(Path(a.data), a.rows, a.seed), a.k, a.temperature)
     result = group(scored, a.k)
     print(f"all: {result['all']}")

@@ -32,7 +32,7 @@ class GRPOConfig:
     kl_coef: float = 0.1  # KL(policy || initial policy) per token (k3 estimator), as in GRPO
     # Reward = correct final answer + style_bonus if the completion uses `style`, an answer style the
     # world's target seldom writes (toy: "verbose", ~3% after its SFT stage; smollm2:
-    # "answer_line"), so the bonus drifts the policy away from what its pretrained draft has seen.
+    # "french"), so the bonus drifts the policy away from what its pretrained draft has seen.
     # Empty: the world's own.
     style: str = ""
     style_bonus: float = 1.0  # added to the reward of a completion in `style`
@@ -269,8 +269,9 @@ def world_defaults(world: str) -> dict:
     if world != "smollm2":
         return {}
     # temperature 0.7, measured (docs/results.md, "A head worth adapting"): at 1.0 the 4-bit model
-    # rambles (256 problems: 3.1% correct, 1.6% ending on the answer line the bonus pays for; too
-    # rare for groups of 4 to see), at 0.7 it stays on task (7.4%, 9.4%), and RL runs sample at 0.6-1.0
+    # rambles (256 problems: 3.1% correct, 1.6% ending on the answer line the earlier task's bonus
+    # paid for; too rare for groups of 4 to see), at 0.7 it stays on task (7.4%, 9.4%), and RL runs
+    # sample at 0.6-1.0. At 0.7 it answers in French (the bonus's style) 1 time in 12.
     return {"grpo": GRPOConfig(steps=15, prompts_per_step=8, group_size=4, max_tokens=128, temperature=0.7, lr=5e-5,
                                warmup_steps=2, kl_coef=0.05, micro_batch=16),
             "eval": EvalConfig(prompts=16, max_tokens=128),

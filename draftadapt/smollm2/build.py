@@ -54,6 +54,13 @@ def write_worked(model_dir: Path) -> None:
     task.write_problems(model_dir / WORKED, task.worked_examples(problems, PROMPTS_SEED))
 
 
+def _task_is_current(model_dir: Path) -> bool:
+    """Whether the directory's task files carry the task's current instruction (the questions
+    never change; the instruction did when the world's task did)."""
+    held = task.load_problems(model_dir / HELDOUT) if (model_dir / HELDOUT).is_file() else []
+    return bool(held) and all(task.INSTRUCTION in p.get("prompt", "") for p in held[:1])
+
+
 def check_greedy(model_dir: Path, prompts: list[str], max_tokens: int = CHECK_TOKENS) -> dict:
     """vLLM loads the directory and its greedy tokens equal transformers' on ``prompts``; raises
     ModelSourceError naming the first prompt that differs."""
@@ -93,7 +100,10 @@ def build(out: str | Path, dtype: str = "float32") -> dict:
     """The model directory, complete: converted, the task's files written, checked in vLLM."""
     out = Path(out)
     if (out / DONE).is_file():
-        if not (out / WORKED).is_file():  # built before worked answers were written: text only, no model run
+        if not _task_is_current(out):  # built for another instruction (an earlier task): text only, no model run
+            print(f"[smollm2] rewriting {out}'s task files for the current instruction", flush=True)
+            write_task_files(out)
+        elif not (out / WORKED).is_file():  # built before worked answers were written
             write_worked(out)
         return json.loads((out / DONE).read_text())
     print(f"[smollm2] converting the packaged GGUF into {out} (about 2 minutes, once)", flush=True)

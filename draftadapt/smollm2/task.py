@@ -7,10 +7,14 @@
 
 A problem is one or two operations (add, take away, share, groups of) on small numbers, told
 about a named person and objects. The correctness term reads the last number in the response.
-Every prompt asks for a last line "Answer: N"; the style term (``style_of``) pays for it. The
-4-bit SmolLM2-135M-Instruct seldom complies at temperature 1 (about 1 reply in 20: it rambles),
-so RL moves the policy onto it, and off the text its pretrained draft learned from, as the toy's
-"verbose" bonus does (docs/design.md, "A real model").
+Every prompt lets the model answer in English or in French and asks for a last line "Answer: N";
+the style term (``style_of``) pays for a reply in French. At the world's temperature (0.7) the
+4-bit SmolLM2-135M-Instruct answers in French about 1 time in 12, and its pretrained Eagle-3
+head accepts those replies far less than the English ones (docs/results.md, "A task the frozen
+head feels"), so RL moves the policy onto text its draft learned little from, as the toy's
+"verbose" bonus does (docs/design.md, "A real model"). The earlier task paid for the answer line
+instead: the policy collapsed onto a few tokens of "Answer: N", which any head predicts, and the
+frozen head's acceptance rose.
 
 Pure and deterministic given a seed: ``sample_problems(n, seed)`` returns the same list anywhere
 (the chat template comes from the model's tokenizer; ``render`` applies it).
@@ -25,7 +29,18 @@ from pathlib import Path
 
 NAMES = ("Mia", "Noah", "Ava", "Liam", "Zoe", "Omar", "Lena", "Ravi", "Sara", "Tom", "Yuki", "Ben")
 THINGS = ("apples", "marbles", "stickers", "books", "coins", "pencils", "cookies", "shells", "cards", "stamps")
-STYLES = ("plain", "answer_line")
+STYLES = ("plain", "answer_line", "french")
+# Function words that tell French from English text (a reply is French where it has at least
+# _FRENCH_MIN of them and more than of the English ones): words only, so numbers, names and the
+# answer line do not count. Words both languages write ("a", "on", "son") are in neither list.
+_FRENCH_WORDS = frozenset(
+    "le la les un une des du de est et que qui pour avec dans sur pas il elle ils elles sont au aux ce "
+    "cette mais ou donc nous vous je leur chaque combien réponse ami amis donne reste ses sa".split())
+_ENGLISH_WORDS = frozenset(
+    "the an is and of to in for with that he she they are has have was it each many how his her "
+    "gives friend friends answer so".split())
+_FRENCH_MIN = 3
+_WORD_RE = re.compile(r"[a-zàâçéèêëîïôûùüÿœ]+")
 _NUMBER_RE = re.compile(r"-?\d+(?:,\d{3})*")
 # the answer line: the reply's last line ends "answer: N" or "answer is N" (any case, a period
 # allowed); measured at T=1 on 48 problems, SmolLM2-135M-Instruct ends so in 2 (asked to, in
@@ -81,9 +96,11 @@ def sample_problems(n: int, seed: int, tokenizer=None) -> list[dict]:
     return problems
 
 
-# The format instruction every prompt carries: the answer-line style the bonus pays for is asked
-# for, and a 135M model follows it only now and then; RL makes it the rule.
-INSTRUCTION = "Solve it, then end with a line 'Answer: N'."
+# The instruction every prompt carries: either language, and the answer line. Measured on 128
+# problems at T=0.7 (docs/results.md, "A task the frozen head feels"): 11 replies (8.6%) came in
+# French, rare enough that the pretrained head learns little of it, common enough for groups of 4
+# to find; "Solve it in French" made 38% French, "(in French if you can)" fewer.
+INSTRUCTION = "Solve it in English or in French, then end with a line 'Answer: N'."
 
 
 def render(tokenizer, question: str) -> str:
@@ -104,8 +121,18 @@ def reward(problem: dict, completion: str) -> float:
     return 1.0 if extract_answer(completion) == problem["answer"] else 0.0
 
 
+def is_french(completion: str) -> bool:
+    """More of the French function words than of the English ones, and at least three."""
+    words = _WORD_RE.findall(completion.lower())
+    fr = sum(w in _FRENCH_WORDS for w in words)
+    return fr >= _FRENCH_MIN and fr > sum(w in _ENGLISH_WORDS for w in words)
+
+
 def style_of(completion: str) -> str:
-    """"answer_line" when the completion's last line ends with "Answer: N" (or "the answer is N"), else "plain"."""
+    """"french" for a reply in French (:func:`is_french`); else "answer_line" when its last line
+    ends with "Answer: N" (or "the answer is N"); else "plain"."""
+    if is_french(completion):
+        return "french"
     last = completion.strip().rsplit("\n", 1)[-1]
     return "answer_line" if _ANSWER_LINE_RE.search(last) else "plain"
 

@@ -26,7 +26,7 @@ class SmolLM2:
     name = "smollm2"
     pretrain_recipe = PRETRAIN_RECIPE
     pretrain_source = None  # the recipe's data.source is the model directory's prompts.jsonl
-    style = "answer_line"  # the answer style the reward's bonus pays for unless grpo.style says another
+    style = "french"  # the answer style the reward's bonus pays for unless grpo.style says another
 
     def prepare(self, cfg, out: Path) -> tuple[Path, Path]:
         from draftadapt.config import load_config

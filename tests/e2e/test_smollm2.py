@@ -17,6 +17,7 @@ import torch
 from scipy.stats import chi2_contingency
 
 from draftadapt.draft_init import init_draft
+from draftadapt.smollm2 import task
 
 pytestmark = pytest.mark.integration
 
@@ -123,6 +124,10 @@ def test_the_readme_commands_on_the_real_model(smollm2_model, tmp_path):
     assert build.returncode == 0, build.stderr[-2000:]
     info = json.loads(build.stdout.strip().splitlines()[-1])
     assert (info["dtype"], info["vocab"], info["greedy_agree_prompts"]) == ("float32", 49152, 4)
+    # a directory built for an earlier task gets the current instruction (text only, no rebuild)
+    for name in ("prompts.jsonl", "heldout.jsonl", "worked.jsonl"):
+        rows = [json.loads(line) for line in (smollm2_model / name).read_text().splitlines()]
+        assert rows and all(task.INSTRUCTION in r["prompt"] for r in rows), name
     draft = tmp_path / "draft0"
     pre = subprocess.run([sys.executable, "-m", "draftadapt.cli", "pretrain", "recipes/pretrain_eagle3_smollm2.yaml",
                           f"target={smollm2_model}", f"out={draft}", f"data.source={smollm2_model / 'prompts.jsonl'}",
@@ -193,5 +198,5 @@ def test_trl_recipe_on_the_real_model(smollm2_model, tmp_path):
     assert o["adapter_paused_per_step"] == [1.0, 1.0] and s["drafts"]["published"] == 0, o
     assert all(1.0 <= x < 1.5 for x in o["simulated_length_per_step"]), o
     assert all(x is None for x in s["rl_batch_acceptance_per_step"]), "the idle drafter drafted"
-    # the reward is the world's: correctness and the answer line, each a share of the batch
+    # the reward is the world's: correctness and a reply in French, each a share of the batch
     assert all(0.0 <= x <= 1.0 for x in s["style_frac_per_step"] + s["accuracy_per_step"]), s

@@ -53,6 +53,20 @@ def test_reward_reads_the_last_number_and_the_style_the_answer_line():
     assert task.style_of("Answer: 7\nThen more text") == "plain"
 
 
+def test_the_style_the_bonus_pays_is_a_reply_in_french():
+    # replies of the kind the base model writes (docs/results.md, "A task the frozen head feels")
+    fr = ["Zoe a 35 autocollants et un ami lui en donne 28 de plus. Elle a donc 35 + 28 = 63 autocollants.\nAnswer: 63",
+          "Pour trouver combien chaque ami reçoit, on divise 12 par 4 : chaque ami a 3 cartes.",
+          "La réponse est 7."]
+    en = ["Zoe has 35 stickers and a friend gives her 28 more, so she has 35 + 28 = 63.\nAnswer: 63",
+          "To find out how many each friend gets, we divide 12 by 4: each friend gets 3 cards. (En français: 3.)",
+          "3 + 4 = 7", "Ok.", ""]
+    assert [task.style_of(t) for t in fr] == ["french"] * 3
+    assert [task.style_of(t) for t in en] == ["answer_line", "plain", "plain", "plain", "plain"]
+    assert task.is_french("le la les") and not task.is_french("le la") and not task.is_french("le la les the an is and")
+    assert "French" in task.INSTRUCTION and "Answer: N" in task.INSTRUCTION  # either language, the answer line
+
+
 class _Template:
     def apply_chat_template(self, messages, tokenize, add_generation_prompt):
         assert not tokenize and add_generation_prompt

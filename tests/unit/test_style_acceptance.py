@@ -39,6 +39,15 @@ def test_styles_and_sums(script):
     assert s["numbered_steps"]["with"]["replies"] == 1 and s["equation"]["with"]["replies"] == 1
     assert s["markdown_bold"]["with"]["acceptance"] == pytest.approx(4.0) and s["paragraphs"]["with"]["replies"] == 1
     assert s["markdown_bold"]["without"]["acceptance"] == pytest.approx(1.5)
+    assert s["french"]["share"] == 0.0 and s["french"]["with"] is None
+
+
+def test_a_reply_in_french_is_its_own_style(script):
+    scored = [("Elle a donc 35 + 28 = 63 autocollants, et chaque ami en a 9.\nAnswer: 63", 30, _stats(4, [1, 0, 0])),
+              ("She has 35 + 28 = 63 stickers.\nAnswer: 63", 20, _stats(4, [3, 2, 1]))]
+    s = script.group(scored, 3)["styles"]
+    assert s["french"]["share"] == 0.5 and s["french"]["with"]["acceptance"] == pytest.approx(1.25)
+    assert s["french"]["without"]["acceptance"] == pytest.approx(2.5) and s["answer_line"]["share"] == 1.0
 
 
 def test_replies_heldout_first_and_a_missing_file_named(script, tmp_path):
