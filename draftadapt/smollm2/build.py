@@ -58,7 +58,7 @@ def _task_is_current(model_dir: Path) -> bool:
     """Whether the directory's task files carry the task's current instruction (the questions
     never change; the instruction did when the world's task did)."""
     held = task.load_problems(model_dir / HELDOUT) if (model_dir / HELDOUT).is_file() else []
-    return bool(held) and all(task.INSTRUCTION in p.get("prompt", "") for p in held[:1])
+    return bool(held) and task.INSTRUCTION in held[0].get("prompt", "")
 
 
 def check_greedy(model_dir: Path, prompts: list[str], max_tokens: int = CHECK_TOKENS) -> dict:
