@@ -14,7 +14,7 @@ CPU) c grows with k and with b, so the k that pays falls as the batch grows (doc
 The model, per measured batch size b:
 
     c(0, b) = plain(b)
-    c(k, b) = plain(b) + fixed(b) + k * per_k(b) + k^2 * per_k2(b)      (k >= 1)
+    c(k, b) = plain(b) + max(0, fixed(b) + k * per_k(b) + k^2 * per_k2(b))      (k >= 1)
 
 ``fixed`` is what any speculative step adds (the drafter's bookkeeping, the rejection sampler),
 ``per_k`` one more draft forward plus one more verified token per sequence. Three measured
@@ -124,13 +124,20 @@ def _interp(xs: list[int], ys: list[float], x: float) -> float:
 
 
 def step_cost(model: StepCostModel, k: int, batch_size: int) -> float:
-    """Predicted seconds per step at draft length ``k`` (0 = no speculation) and ``batch_size``."""
+    """Predicted seconds per step at draft length ``k`` (0 = no speculation) and ``batch_size``.
+
+    A speculative step never costs less than the plain one: it runs the same target forward,
+    verifying k + 1 tokens a sequence instead of one, and the drafter on top. A fit whose
+    speculative part comes out negative (timings on a loaded machine: in one CI run a k = 1
+    generation of 8 tokens at 8 sequences measured faster than the plain one) is held at the plain
+    step, so a draft that accepts nothing (L = 1) can never look as if it paid."""
     bss = model.batch_sizes
     c = _interp(bss, model.plain, batch_size)
     if k > 0:
-        c += _interp(bss, model.fixed, batch_size) + k * _interp(bss, model.per_k, batch_size)
+        extra = _interp(bss, model.fixed, batch_size) + k * _interp(bss, model.per_k, batch_size)
         if model.per_k2 is not None:
-            c += k * k * _interp(bss, model.per_k2, batch_size)
+            extra += k * k * _interp(bss, model.per_k2, batch_size)
+        c += max(0.0, extra)
     return c
 
 

@@ -7,6 +7,7 @@ import pytest
 from draftadapt.metrics.kcost import (
     StepCostModel,
     acceptance_length_at,
+    best_k_per_batch,
     choose_k,
     fit_ks,
     fit_step_costs,
@@ -57,6 +58,24 @@ def test_fit_with_one_speculative_k_is_exact_where_measured():
     model = fit_step_costs([(0, 4, 0.01), (2, 4, 0.03), (0, 8, 0.02), (2, 8, 0.05)])
     assert step_cost(model, 0, 4) == pytest.approx(0.01) and step_cost(model, 2, 4) == pytest.approx(0.03)
     assert step_cost(model, 2, 8) == pytest.approx(0.05) and step_cost(model, 2, 6) == pytest.approx(0.04)
+
+
+def test_a_speculative_step_timed_below_the_plain_one_costs_the_plain_one():
+    """A loaded machine timed k=1 and k=2 at 8 sequences below the plain step (CI: an 8-token
+    calibration with one repeat); the fit's negative speculative part is held at zero, so a draft
+    that accepts nothing never pays and one that accepts 2% more per step does not beat the 3%
+    margin (the k chosen under the old, unfloored cost was 1 at every batch size)."""
+    model = fit_step_costs([(0, 8, 0.020), (1, 8, 0.017), (3, 8, 0.019), (0, 1, 0.010), (1, 1, 0.009),
+                            (3, 1, 0.0095)])
+    for b in (1, 4, 8):
+        assert step_cost(model, 0, b) == pytest.approx(step_cost(model, 1, b), rel=1e-12)
+        assert all(step_cost(model, k, b) >= step_cost(model, 0, b) for k in (1, 2, 3))
+    assert best_k_per_batch(model, [0.0, 0.0, 0.0], 8) == [0] * 8
+    assert best_k_per_batch(model, [0.02, 0.0, 0.0], 8, margin=0.03) == [0] * 8
+    # a draft that accepts half its first token still pays where the step is that cheap
+    assert best_k_per_batch(model, [0.5, 0.25, 0.1], 8, margin=0.03) != [0] * 8
+    # a positive speculative part is untouched
+    assert step_cost(fit_step_costs([(0, 4, 0.01), (2, 4, 0.03)]), 2, 4) == pytest.approx(0.03)
 
 
 def test_fit_errors_name_the_missing_measurement():
