@@ -106,7 +106,8 @@ class TRLToyConfig:
         return {"steps": g.steps, "prompts_per_step": g.prompts_per_step, "group_size": g.group_size,
                 "micro_batch": g.micro_batch, "max_tokens": g.max_tokens, "temperature": g.temperature, "lr": g.lr,
                 "warmup_steps": g.warmup_steps,
-                "beta": g.kl_coef, "eval_prompts": e.prompts, "pretrain_prompts": d["pretrain_prompts"]}
+                "beta": g.kl_coef, "eval_prompts": e.prompts, "pretrain_prompts": d["pretrain_prompts"],
+                "adapter": d["adapter"]}
 
     @property
     def sampling_temperature(self) -> float:  # what the worlds' prepare() pretrains the draft at

@@ -185,8 +185,10 @@ def test_trl_recipe_on_the_real_model(smollm2_model, tmp_path):
     assert (line["world"], line["steps"]) == ("smollm2", 2)
     s = json.loads((out / "summary.json").read_text())
     cfg = (out / "config.yaml").read_text()
-    # the world's own sizes where none was given: the demo's for SmolLM2 (lr 5e-5, KL 0.05)
+    # the world's own sizes where none was given: the demo's for SmolLM2 (lr 5e-5, KL 0.05; the
+    # adapter's rate 3e-4)
     assert "lr: 5.0e-05" in cfg and "beta: 0.05" in cfg and "group_size: 4" in cfg, cfg
+    assert "lr: 0.0003" in cfg, cfg
     for arm in ("frozen", "adapted"):
         per_step = s["arms"][arm]["acceptance_length_per_step"]
         assert len(per_step) == 2 and all(1.0 <= a <= 4.0 for a in per_step), per_step

@@ -1,5 +1,5 @@
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
@@ -233,6 +233,12 @@ def test_demo_world_sets_the_runs_sizes_and_refuses_what_it_cannot_serve():
     assert demo_adapter(smol).temperature == 0.7
     assert "generate.temperature=0.7" not in demo_pretrain_overrides(smol, SMOLLM2_RECIPE)  # the recipe's own
     assert load_config(DemoConfig, None, ["world=smollm2", "grpo.lr=1e-5"]).grpo.max_tokens == 128
+    # its adapter is the toy's at a rate of 3e-4 (the toy's 2e-3 had every round rejected there);
+    # a key given sets only itself
+    assert (smol.adapter.train.lr, toy.adapter.train.lr) == (3e-4, 2e-3)
+    assert replace(smol.adapter, train=toy.adapter.train) == toy.adapter
+    given = load_config(DemoConfig, None, ["world=smollm2", "adapter.schedule.max_share=0"]).adapter
+    assert (given.train.lr, given.schedule.max_share, given.schedule.train_steps) == (3e-4, 0.0, 8)
     with pytest.raises(ConfigError, match=r"method=mtp: world=smollm2 serves an Eagle-3 head"):
         load_config(DemoConfig, None, ["world=smollm2", "method=mtp"])
     with pytest.raises(ConfigError, match=r"world"):
