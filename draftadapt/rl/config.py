@@ -272,6 +272,7 @@ def world_defaults(world: str) -> dict:
     # rambles (256 problems: 3.1% correct, 1.6% ending on the answer line the earlier task's bonus
     # paid for; too rare for groups of 4 to see), at 0.7 it stays on task (7.4%, 9.4%), and RL runs
     # sample at 0.6-1.0. At 0.7 it answers in French (the bonus's style) 1 time in 12.
+    adapter = toy_adapter()
     return {"grpo": GRPOConfig(steps=15, prompts_per_step=8, group_size=4, max_tokens=128, temperature=0.7, lr=5e-5,
                                warmup_steps=2, kl_coef=0.05, micro_batch=16),
             "eval": EvalConfig(prompts=16, max_tokens=128),
@@ -280,7 +281,7 @@ def world_defaults(world: str) -> dict:
             # the served head on held-out rollouts (steps 2-5, 1.371 vs 1.572 at step 2) and none
             # was published; at 3e-4 rounds passed from step 5 and a replay of the run's spool
             # with the cost cap off ended 1.11x the frozen head
-            "adapter": replace(toy_adapter(), train=replace(toy_adapter().train, lr=3e-4)),
+            "adapter": replace(adapter, train=replace(adapter.train, lr=3e-4)),
             "pretrain_prompts": 0}  # the recipe's own
 
 

@@ -61,7 +61,7 @@ def test_fit_with_one_speculative_k_is_exact_where_measured():
 
 
 def test_a_speculative_step_timed_below_the_plain_one_costs_the_plain_one():
-    """A loaded machine timed k=1 and k=2 at 8 sequences below the plain step (CI: an 8-token
+    """A loaded machine timed k=1 and k=3 at 8 sequences below the plain step (CI: an 8-token
     calibration with one repeat); the fit's negative speculative part is held at zero, so a draft
     that accepts nothing never pays and one that accepts 2% more per step does not beat the 3%
     margin (the k chosen under the old, unfloored cost was 1 at every batch size)."""
