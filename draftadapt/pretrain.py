@@ -582,7 +582,12 @@ def pretrain_cli(recipe: str, overrides: list[str], toy: ToyWorld | None = None)
         return 2
     from accelerate import PartialState
 
-    if PartialState().is_main_process:
+    state = PartialState()
+    if state.is_main_process:
         print(json.dumps(summary), flush=True)
+    # under `accelerate launch`, each rank ends its process group before exiting (a no-op in one
+    # process): a gloo group left to the interpreter's teardown aborted rank 0 of a ZeRO-2 pair
+    # at exit once, after both ranks had finished (tests/unit/test_trainer_dist.py does the same)
+    state.destroy_process_group()
     return 0
 
