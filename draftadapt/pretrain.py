@@ -538,6 +538,7 @@ def _score_and_save(run: _Run, stats: _TrainStats, t_start: float) -> dict:
         "out": str(run.out),
         "method": cfg.method,
         "steps": trainer.step,
+        "processes": run.accelerator.num_processes,  # data-parallel ranks, each a share of every batch
         "epochs_planned": cfg.epochs,
         "stopped_early": stats.stopped_early,
         "train_sequences": len(run.train_seqs),

@@ -146,6 +146,34 @@ def _on_cpu() -> bool:
     return current_platform.is_cpu()
 
 
+def _process_group_size() -> int:
+    """The world of the torch.distributed group this process is in (1: none)."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+# What a launcher (torchrun, `accelerate launch`) sets for its ranks: hidden from a multiprocess
+# engine's children while it starts, which are a world of their own (put back after start-up)
+LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _choose_in_process(in_process: bool | None) -> bool:
+    """None: in this process on CPU, unless this process is a rank of a process group. vLLM's
+    ``init_distributed_environment`` (0.32) adopts an initialized torch.distributed group instead
+    of making its own, and then creates its groups collectively over that world: the other ranks,
+    not being in vLLM, never join, and the engine's start-up waits forever (`accelerate launch
+    --num_processes 2 -m draftadapt.cli pretrain` hung there)."""
+    world = _process_group_size()
+    if in_process and world > 1:
+        raise ValueError(f"an in-process engine cannot start in a rank of a {world}-process torch.distributed "
+                         "group (vLLM would take the group for its own and wait for the other ranks): pass "
+                         "in_process=False (its engine runs in child processes of its own)")
+    if in_process is None:
+        return _on_cpu() and world == 1
+    return in_process
+
+
 def _startup_env(in_process: bool, kv_cache_gib: int, threads: int | None) -> dict[str, str]:
     """What vLLM reads while an engine starts. Set only then (its processes and the in-process
     worker read them at start-up), and put back: the host process's environment is not ours
@@ -200,7 +228,8 @@ class RolloutEngine:
         k_schedule: Sequence[tuple[int, int, int]] | None = None,
     ):
         """``in_process`` runs vLLM's engine core and worker in this process (uni executor)
-        instead of two child processes; None = on CPU only. ``block_size``: KV cache block in
+        instead of two child processes; None = on CPU, unless this process is one rank of a
+        multi-process torch.distributed group (:func:`_choose_in_process`). ``block_size``: KV cache block in
         tokens (None: vLLM's, 128 on CPU; a multiple of 32 there). ``dtype``: the weights' dtype
         in the engine; None follows the target's config (``dtype``/``torch_dtype``, float32 when
         it names none), where vLLM's own "auto" would serve a float32 model in bf16.
@@ -288,10 +317,12 @@ class RolloutEngine:
                **llm_args) -> None:
         """vLLM's ``LLM`` on the target; the host's environment, torch thread count and
         ``torch.set_num_threads`` as they were (the thread count: ``threads`` in process)."""
-        if in_process is None:
-            in_process = _on_cpu()
+        in_process = _choose_in_process(in_process)
         env = _startup_env(in_process, kv_cache_gib, threads)
         saved = dict(os.environ)  # vLLM's in-process start-up sets more of its own; all are put back
+        if not in_process:
+            for k in LAUNCHER_ENV:
+                os.environ.pop(k, None)
         threads_before = torch.get_num_threads()
         # vLLM's CPU worker replaces torch.set_num_threads, process-wide, with a no-op that warns
         # (it binds its OpenMP threads in its own processes); in this process that would silently

@@ -179,6 +179,32 @@ def test_a_prefill_file_is_distilled_without_decoding(eagle3_run, toy_target, tm
     assert len(regenerate(20)) == 20 and (out / "pretrain/data/prefill.jsonl").stat().st_mtime_ns == before
 
 
+def test_data_parallel_pretrain_under_accelerate_launch(toy_target, tmp_path):
+    """pretrain.py's data-parallel line, `accelerate launch --multi_gpu --num_processes 2 -m
+    draftadapt.cli pretrain RECIPE` (gloo on a CPU-only machine): rank 0 regenerates through a
+    vLLM engine of its own while rank 1 waits, then both train on their halves of the batches.
+    Rank 0's engine runs in child processes: in process, vLLM took the ranks' group for its own
+    and waited for rank 1 forever (the run hung here until the engine chose by the group)."""
+    from draftadapt.drafts.formats import check_draft_for_target
+
+    out = tmp_path / "dp"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false",
+           "VLLM_CPU_KVCACHE_SPACE": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines",
+         "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "draftadapt.cli", "pretrain",
+         "recipes/pretrain_eagle3_toy.yaml", f"target={toy_target}", f"out={out}", "max_steps=2",
+         "data.num_prompts=16", "data.heldout_prompts=8", "generate.max_tokens=32", "train.batch_size=8",
+         "train.warmup_steps=0"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    summary = last_json(proc.stdout)  # printed by rank 0 alone
+    assert (summary["processes"], summary["steps"]) == (2, 2), summary
+    assert proc.stderr.count("regenerating 16 + 8 responses") == 1  # once, on rank 0
+    rows = [json.loads(line) for line in (out / "pretrain/data/train.jsonl").read_text().splitlines()]
+    assert len(rows) == 16 and all(r["response_ids"] for r in rows)
+    assert check_draft_for_target(out, toy_target)["method"] == "eagle3"  # what an engine checks to serve it
+
+
 def test_prefill_settings_are_checked_before_anything_runs(tmp_path):
     from draftadapt.config import ConfigError, load_config
     from draftadapt.pretrain import PretrainConfig
