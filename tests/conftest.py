@@ -168,36 +168,33 @@ def cached_build(name: str, build, *source_dirs: Path) -> Path:
     return out
 
 
-# Tests that start a local Ray cluster (here or in the process they run), in two groups, each
-# run one test after another on one worker: verl's cluster (two FSDP ranks and two vLLM servers
-# at its peak) and the fleet's. The two may run at once: ray.init starts a cluster of its own, on
-# ports of its own (only `ray start` writes the address a later ray.init would join).
-RAY_GROUPS = {
-    "ray-verl": ("tests/integration/test_verl.py",),
-    "ray-fleet": ("tests/integration/test_ray_fleet.py",
-                  "tests/e2e/test_readme_commands.py::test_demo_on_a_ray_fleet_of_two_engines"),
-}
+# Tests that start a local Ray cluster (here or in the process they run): one group, its tests one
+# after another on one worker. Two at once (verl's, at two FSDP ranks and two vLLM servers, beside
+# the fleet's) beside a third worker took the machine to 22.6 of 23 GiB: Ray's memory monitor
+# killed a verl worker and a fleet engine (session 38).
+RAY_GROUP = ("tests/integration/test_ray_fleet.py", "tests/integration/test_verl.py",
+             "tests/e2e/test_readme_commands.py::test_demo_on_a_ray_fleet_of_two_engines")
 
 # Worker-seconds of the longest groups in a profiled suite (`bash scripts/test.sh --durations=0`,
-# session 37, two workers, a 2-core Intel Xeon; the Ray groups split from that run's one). They
+# session 37, two workers, a 2-core Intel Xeon; the online-k unit module's since cut to ~3 s). They
 # go out longest first, so that no long group starts near the end: the suite's wall is its last
 # worker's. A group not listed counts 0 and keeps collection order; a stale figure only moves a
 # group in the order.
 GROUP_SECONDS = {
-    "ray-verl": 665, "tests/e2e/test_smollm2.py": 599, "tests/e2e/test_demo.py": 327, "ray-fleet": 318,
+    "ray": 983, "tests/e2e/test_smollm2.py": 599, "tests/e2e/test_demo.py": 327,
     "tests/integration/test_adapter.py": 154, "tests/integration/test_async.py": 145,
     "tests/integration/test_bench_vs_speculators.py": 97, "tests/integration/test_engine_mtp.py": 92,
     "tests/e2e/test_readme_commands.py": 86, "tests/integration/test_lossless.py": 82,
     "tests/unit/test_trainer_dist.py": 78, "tests/integration/test_attacks.py": 70,
     "tests/integration/test_pretrain_toy.py": 62, "tests/integration/test_online_k.py": 60,
-    "tests/unit/test_test_command.py": 50, "tests/unit/test_online_k.py": 47, "tests/integration/test_sidecar.py": 47,
+    "tests/unit/test_test_command.py": 50, "tests/integration/test_sidecar.py": 47,
 }
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """`--dist loadgroup` (scripts/test.sh): a worker takes a whole test module (its
-    module-scoped engines start once), each of RAY_GROUPS goes to one worker whole, the longest
+    module-scoped engines start once), the RAY_GROUP tests go to one worker together, the longest
     groups first (GROUP_SECONDS), and a worker is handed its next group only while it runs the
     last test of its current one. Our own grouping: pytest-xdist 3.8's loadgroup renames items
     through an attribute pytest 9 no longer reads, so its xdist_group marks group nothing."""
@@ -209,9 +206,8 @@ def pytest_xdist_make_scheduler(config, log):
 
     class ModuleScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            for group, prefixes in RAY_GROUPS.items():
-                if nodeid.startswith(prefixes):
-                    return group
+            if nodeid.startswith(RAY_GROUP):
+                return "ray"
             return nodeid.split("::")[0]
 
         def _assign_work_unit(self, node) -> None:
