@@ -316,7 +316,11 @@ def test_a_killed_sidecar_restarts_from_its_newest_draft_and_trainer_state(tmp_p
     proc = start_sidecar(spool, out, target, draft, log, "exit_when_finished=false")
     store = DraftStore(out, readonly=True)
     deadline = time.monotonic() + 300
-    while (store.latest() is None or store.latest().version < 2) and time.monotonic() < deadline:
+    # a trained version and its trainer state: the writer saves the state just after the version's
+    # rename (publish.py), and a kill between the two (once in CI) leaves the previous state
+    resume = out / ".trainer" / "resume.pt"
+    while ((store.latest() is None or store.latest().version < 2 or not resume.is_file())
+           and time.monotonic() < deadline):
         time.sleep(0.5)
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
