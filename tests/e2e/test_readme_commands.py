@@ -69,7 +69,7 @@ def test_demo_on_a_ray_fleet_of_two_engines(toy_target, tmp_path):
     draft = init_draft(toy_target, "eagle3", tmp_path / "draft0", seed=0)
     out = tmp_path / "demo"
     proc = subprocess.run(
-        [sys.executable, "-m", "draftadapt.cli", "demo", "--out", str(out), "--steps", "2", "--toy", str(toy_target),
+        [sys.executable, "-m", "draftadapt.cli", "demo", "--out", str(out), "--steps", "3", "--toy", str(toy_target),
          f"draft={draft}", "engines=2", "grpo.prompts_per_step=4", "grpo.group_size=4", "eval.prompts=8",
          "grpo.max_tokens=64", "eval.max_tokens=64", "adapter.schedule.every_n_steps=1",
          "adapter.schedule.train_steps=2", "adapter.train.batch_size=8", "adapter.schedule.min_sequences=8",
@@ -77,11 +77,11 @@ def test_demo_on_a_ray_fleet_of_two_engines(toy_target, tmp_path):
          "fresh_final=false", "rl_batch_arms=false"],
         capture_output=True, text=True, timeout=900, cwd=tmp_path)
     line = last_json_line(proc)
-    assert line["steps"] == 2
+    assert line["steps"] == 3
     s = json.loads((out / "summary.json").read_text())
     f = s["fleet"]
     assert f["engines"] == 2 and f["max_skew"] == 0 and f["engine_restarts"] == 0
-    assert f["policy_version_per_step"] == [{"engine0": v, "engine1": v} for v in (1, 2)]
+    assert f["policy_version_per_step"] == [{"engine0": v, "engine1": v} for v in (1, 2, 3)]
     served = [sorted(set(row.values())) for row in f["served_draft_version_per_step"]]
     assert all(len(v) == 1 for v in served), served
     # an untrained head learns fast: rounds publish, and the fleet serves the newest at every step
