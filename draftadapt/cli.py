@@ -20,7 +20,7 @@ class UsageError(Exception):
 # dataclass holds the default and the check; a flag left out leaves the field at its default.
 DEMO_FLAGS = {"out": "out", "steps": "grpo.steps", "seed": "seed", "target": "target"}
 EVAL_FLAGS = {**{name: name for name in ("target", "draft", "k", "temperature", "num_prompts", "max_tokens", "seed",
-                                         "ks", "batch_sizes", "measure")},
+                                         "ks", "batch_sizes", "measure", "precision")},
               "repeats": "table_repeats"}
 
 
@@ -139,6 +139,9 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     ev.add_argument("--measure", choices=["all", "fit"],
                     help="k table: start an engine for every k (default) or only for the three the model is fitted on")
     ev.add_argument("--repeats", type=int, help="k table: generations per (k, batch size); the fastest counts")
+    ev.add_argument("--precision", choices=["auto", "bf16", "fp32"],
+                    help="the engines' weights: auto (default) is bf16 on a CPU with AMX-BF16 for a target at "
+                         "least 512 wide, else the target's own dtype")
     ev.add_argument("--json", action="store_true", help="print only the JSON object")
 
 

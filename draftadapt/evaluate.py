@@ -35,7 +35,7 @@ from typing import Any, Literal
 import torch
 
 from draftadapt.config import ConfigError, load_config
-from draftadapt.drafts.formats import DraftFormatError
+from draftadapt.drafts.formats import DraftFormatError, model_dtype
 from draftadapt.metrics.acceptance import AcceptanceStats
 from draftadapt.metrics.kcost import (
     acceptance_length_at,
@@ -46,6 +46,7 @@ from draftadapt.metrics.kcost import (
     step_cost,
     step_seconds,
 )
+from draftadapt.precision import engine_dtype
 from draftadapt.pretrain import ToyWorld
 from draftadapt.progress import progress
 from draftadapt.train.methods import method_of_dir
@@ -69,6 +70,9 @@ class EvaluateConfig:
     batch_sizes: list[int] = field(default_factory=list)  # sequences per generate (the first batch_size prompts)
     measure: Literal["all", "fit"] = "all"  # engines to start: every k (checks the prediction) or only the fitted ones
     table_repeats: int = 5  # generations per (k, batch size), the fastest counts (3 left 5-10% noise at 32 sequences)
+    # the engines' weights: "auto" is bf16 on a CPU with AMX-BF16 for a target at least 512 wide,
+    # else the target's own dtype (as the demo serves it); "bf16" / "fp32" force one
+    precision: Literal["auto", "bf16", "fp32"] = "auto"
 
     def validate(self) -> None:
         if not self.target or not self.draft:
@@ -107,7 +111,8 @@ def eval_prompts(target: str | Path, num: int, seed: int, toy: ToyWorld | None =
 
 
 def _run_engine(target: Path, draft: Path | None, method: str | None, k: int, batches: list[list[str]],
-                temperature: float, max_tokens: int, seed: int, repeats: int, threads: int | None):
+                temperature: float, max_tokens: int, seed: int, repeats: int, threads: int | None,
+                dtype: str | None = None):
     """Start an engine, warm it up, generate each batch of prompts ``repeats`` times (rounds over
     the batches, so a slow spell of a busy machine does not land on one batch size); returns the
     runs per batch. The fastest run counts for speed."""
@@ -115,7 +120,7 @@ def _run_engine(target: Path, draft: Path | None, method: str | None, k: int, ba
 
     engine = RolloutEngine(target, draft, method=method, num_speculative_tokens=k, max_model_len=256,
                            max_num_seqs=max(max(len(p) for p in batches), 1), kv_cache_gib=1, seed=seed,
-                           threads=threads)
+                           threads=threads, dtype=dtype)
     runs: list[list] = [[] for _ in batches]
     try:
         first = batches[0]
@@ -165,8 +170,11 @@ def evaluate(cfg: EvaluateConfig, repeats: int = 1, threads: int | None = None,
     k, temperature, num_prompts, max_tokens, seed = cfg.k, cfg.temperature, cfg.num_prompts, cfg.max_tokens, cfg.seed
     method = method_of_dir(draft).name
     prompts = prompts if prompts is not None else eval_prompts(target, num_prompts, seed, toy)
-    spec_runs = _run_engine(target, draft, method, k, [prompts], temperature, max_tokens, seed, repeats, threads)[0]
-    plain_runs = _run_engine(target, None, None, k, [prompts], temperature, max_tokens, seed, repeats, threads)[0]
+    dtype = engine_dtype(cfg.precision, target)
+    spec_runs = _run_engine(target, draft, method, k, [prompts], temperature, max_tokens, seed, repeats, threads,
+                            dtype)[0]
+    plain_runs = _run_engine(target, None, None, k, [prompts], temperature, max_tokens, seed, repeats, threads,
+                             dtype)[0]
     acceptance = _sum_stats([r.acceptance for r in spec_runs])
     tps_spec = max(r.tokens_per_s for r in spec_runs)
     tps_plain = max(r.tokens_per_s for r in plain_runs)
@@ -183,6 +191,7 @@ def evaluate(cfg: EvaluateConfig, repeats: int = 1, threads: int | None = None,
         "method": method,
         "k": k,
         "temperature": temperature,
+        "engine_dtype": dtype or model_dtype(target),
         "num_prompts": n,
         "acceptance_length_measured": round(measured, 4),
         "acceptance_length_simulated": round(visited.length, 4),
@@ -225,7 +234,8 @@ def k_table(cfg: EvaluateConfig, threads: int | None = None, toy: ToyWorld | Non
     bar = progress(total=len(run_ks), desc="k table (one engine per k)", unit="engine")
     for k in run_ks:
         runs = _run_engine(target, draft if k else None, method if k else None, max(k, 1), [prompts[:b] for b in bss],
-                           cfg.temperature, cfg.max_tokens, cfg.seed, cfg.table_repeats, threads)
+                           cfg.temperature, cfg.max_tokens, cfg.seed, cfg.table_repeats, threads,
+                           engine_dtype(cfg.precision, target))
         for b, rs in zip(bss, runs):
             cells[(k, b)] = (max(r.tokens_per_s for r in rs), _sum_stats([r.acceptance for r in rs]))
         bar.update(1)

@@ -80,6 +80,9 @@ class TRLToyConfig:
     # machine shared with other jobs use 1: two OpenMP threads on one free core wait on each
     # other at every barrier
     engine_threads: int = 2
+    # the engines' weights (SpeculativeRollouts' engine_precision, the demo's): "auto" is bf16 on a
+    # CPU with AMX-BF16 for a model at least 512 wide (SmolLM2), else the model's dtype (the toy)
+    engine_precision: Literal["auto", "bf16", "fp32"] = "auto"
     eval_prompts: int = 32  # held-out prompts both drafts are measured on after every step
     eval_seed: int = 1234
     # Steps TRL runs without draftadapt, for its step time: with its own generation, and with
@@ -246,8 +249,8 @@ def run_baseline(cfg: TRLToyConfig, world, target: Path, out: Path, name: str, e
     without speculation (SpeculativeRollouts with no draft)."""
     from draftadapt.integrations.trl import SpeculativeRollouts
 
-    rollouts = SpeculativeRollouts(target, None, engine_kwargs={"threads": cfg.engine_threads, "seed": cfg.seed}) \
-        if engine else None
+    rollouts = SpeculativeRollouts(target, None, engine_kwargs={"threads": cfg.engine_threads, "seed": cfg.seed},
+                                   engine_precision=cfg.engine_precision) if engine else None
     try:
         trainer = make_trainer(cfg, world, target, out / name, cfg.baseline_steps, rollout_func=rollouts)
         torch.set_num_threads(cfg.engine_threads)
@@ -289,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rollouts = SpeculativeRollouts(target, draft0, out / "drafts", adapter_cfg=cfg.adapter, k=cfg.k,  # (+)
                                    engine_kwargs={"threads": cfg.engine_threads, "seed": cfg.seed},
-                                   k_policy=cfg.k_policy, online_k=cfg.online_k)
+                                   k_policy=cfg.k_policy, online_k=cfg.online_k, engine_precision=cfg.engine_precision)
     eval_prompts = world.heldout_prompts(target, cfg.eval_prompts)
     arms: dict[str, list[dict]] = {"frozen": [], "adapted": []}
     try:

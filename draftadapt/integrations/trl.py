@@ -66,15 +66,18 @@ class SpeculativeRollouts:
     acceptance counters, 0 where no k pays: then the drafter idles, the adapter trains nothing
     and its simulated acceptance says when a draft would pay again (docs/design.md, "Online k"
     and "Stepping aside"); "fixed" drafts ``k`` at every batch size; "auto" (the default) is
-    online wherever there is a draft.
+    online wherever there is a draft; engine_precision: the engine's weights, "auto" (bf16 on a CPU
+    with AMX-BF16 for a model at least 512 wide, else the model's own dtype), "bf16" or "fp32"
+    (draftadapt/precision.py; a ``dtype`` in engine_kwargs wins).
     """
 
     def __init__(self, policy_dir: str | Path, draft_dir: str | Path | None, out_dir: str | Path = "runs/drafts",
                  adapter_cfg=None, method: str = "eagle3", k: int = 3, adapt: bool = True,
                  engine_kwargs: dict[str, Any] | None = None, check_integrity: bool = True,
-                 k_policy: str = "auto", online_k=None):
+                 k_policy: str = "auto", online_k=None, engine_precision: str = "auto"):
         from draftadapt.engine.rollout import RolloutEngine
         from draftadapt.online_k import OnlineKConfig
+        from draftadapt.precision import engine_dtype
 
         self.policy_dir = Path(policy_dir)
         self.draft_dir = None if draft_dir is None else Path(draft_dir)
@@ -99,6 +102,10 @@ class SpeculativeRollouts:
         if online:  # the table starts at k; the calibration re-chooses it on the first batch
             max_seqs = engine_kwargs.setdefault("max_num_seqs", 64)
             engine_kwargs["k_schedule"] = [(1, max_seqs, min(k, self.online_cfg.k_max))]
+        try:
+            engine_kwargs.setdefault("dtype", engine_dtype(engine_precision, self.policy_dir))
+        except ValueError as exc:
+            raise ConfigError(f"SpeculativeRollouts: {exc}") from None
         self.engine = RolloutEngine(self.policy_dir, self.draft_dir, method=method,
                                     num_speculative_tokens=self.online_cfg.k_max if online else k, **engine_kwargs)
         self.online = online

@@ -13,6 +13,7 @@ import torch
 
 from draftadapt.config import load_config
 from draftadapt.engine.rollout import DraftSwapError, RolloutEngine
+from draftadapt.precision import engine_dtype
 from draftadapt.online_k import schedule_text
 from draftadapt.rl.config import demo_pretrain_overrides, DemoConfig
 
@@ -129,7 +130,8 @@ def measure_fresh(cfg: DemoConfig, world, out: Path, spec_engine: RolloutEngine,
         m = measure_draft(spec_engine, fresh_dir, prompts, cfg)
     except DraftSwapError:  # a user's draft= of another architecture: serve the fresh one apart
         engine = RolloutEngine(out / "final_policy", fresh_dir, method=cfg.method, num_speculative_tokens=cfg.k,
-                               threads=cfg.engine_threads, seed=cfg.seed)
+                               threads=cfg.engine_threads, seed=cfg.seed,
+                               dtype=engine_dtype(cfg.engine_precision, out / "final_policy"))
         try:
             m = measure(engine, prompts, cfg)
         finally:

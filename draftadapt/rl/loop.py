@@ -32,9 +32,10 @@ import torch
 from draftadapt.adapter import DraftAdapter
 from draftadapt.boundary import StepBoundary
 from draftadapt.config import save_config
-from draftadapt.drafts.formats import META_FILE
+from draftadapt.drafts.formats import META_FILE, model_dtype
 from draftadapt.engine.remote import EngineProcess
 from draftadapt.engine.rollout import RolloutEngine
+from draftadapt.precision import engine_dtype
 from draftadapt.metrics.logger import make_logger
 from draftadapt.online_k import OnlineK, schedule_text
 from draftadapt.rl.arms import FIXED_K_ARM, measure_fresh, record_step, seed_online_k
@@ -109,7 +110,8 @@ def run(cfg: DemoConfig, world: World) -> dict:
     # (a Ray fleet's adapter trains in its actor: not read from here)
     trainer = getattr(r.adapter, "trainer", None)
     summary["precision"] = {"policy_update": policy_precision(r.policy, cfg.grpo),
-                            "adapter": trainer.precision if trainer is not None else None}
+                            "adapter": trainer.precision if trainer is not None else None,
+                            "engine": engine_dtype(cfg.engine_precision, r.target) or model_dtype(r.target)}
     summary["total_seconds"] = time.perf_counter() - t_run  # world setup + RL loop + fresh reference
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     if r.spec_engine is not None:
@@ -160,6 +162,7 @@ def start_engines(cfg: DemoConfig, target: Path, draft0: Path, out: Path):
     (docs/design.md, "Asynchronous RL")."""
     adapter = spec_engine = ray_cluster = None
     rl_engine = EngineProcess if cfg.async_lag else RolloutEngine
+    dtype = engine_dtype(cfg.engine_precision, target)  # every engine alike: the arms differ only in the draft
     if cfg.spec and cfg.engines > 1:
         # the fleet: N engine actors on a local Ray cluster, the adapter in an actor of its own
         from draftadapt.integrations.ray import DraftFleet, RemoteAdapter, local_cluster
@@ -169,20 +172,21 @@ def start_engines(cfg: DemoConfig, target: Path, draft0: Path, out: Path):
         spec_engine = DraftFleet(target, draft0, engines=cfg.engines, cache_dir=out / "fleet",
                                  engine_kwargs=dict(method=cfg.method, num_speculative_tokens=cfg.k, seed=cfg.seed,
                                                     threads=max(1, cfg.engine_threads // cfg.engines),
-                                                    max_num_seqs=cfg.max_num_seqs))
+                                                    max_num_seqs=cfg.max_num_seqs, dtype=dtype))
     elif cfg.spec:
         adapter = DraftAdapter(target, draft0, out / "drafts", cfg.adapter)
         online = cfg.online
         spec_engine = rl_engine(target, draft0, method=cfg.method,
                                 num_speculative_tokens=cfg.online_k.k_max if online else cfg.k,
-                                threads=cfg.engine_threads, seed=cfg.seed, max_num_seqs=cfg.max_num_seqs,
+                                threads=cfg.engine_threads, seed=cfg.seed, max_num_seqs=cfg.max_num_seqs, dtype=dtype,
                                 k_schedule=[(1, cfg.max_num_seqs, min(cfg.k, cfg.online_k.k_max))] if online else None)
     plain = (RolloutEngine if cfg.spec else rl_engine)(target, None, threads=cfg.engine_threads, seed=cfg.seed,
-                                                       max_num_seqs=cfg.max_num_seqs)
+                                                       max_num_seqs=cfg.max_num_seqs, dtype=dtype)
     # the model-free drafters each in a process of their own: in this one, the n-gram engine's
     # start made every later policy update 2.7x slower (3.2 s -> 8.4-8.9 s a step)
     baselines = {m: EngineProcess(target, None, method=m, num_speculative_tokens=cfg.k, threads=cfg.engine_threads,
-                                  seed=cfg.seed, max_num_seqs=cfg.max_num_seqs) for m in (cfg.baselines if cfg.spec else [])}
+                                  seed=cfg.seed, max_num_seqs=cfg.max_num_seqs, dtype=dtype)
+                 for m in (cfg.baselines if cfg.spec else [])}
     return adapter, spec_engine, plain, baselines, ray_cluster
 
 

@@ -28,6 +28,7 @@ from torch import nn
 
 from draftadapt.capture.hidden import CapturedBatch
 from draftadapt.metrics.acceptance import AcceptanceStats, simulate_acceptance, simulate_acceptance_ids
+from draftadapt.precision import cpu_bf16_pays
 from draftadapt.tensors import all_finite
 from draftadapt.train import losses
 from draftadapt.train.forward import DraftLMForward, Eagle3TTT
@@ -68,7 +69,7 @@ class TrainConfig:
     seed: int = 0  # the draft wrapper's init, the TTT slot draws, pretrain's batch order and the adapter's replay draws
     threads: int = 0  # torch intra-op threads for training; 0 = leave torch's default
     # "auto": bf16 autocast (float32 master weights and optimizer state, as always) on a CUDA
-    # device, and on a CPU with AMX-BF16 for a draft at least BF16_CPU_MIN_WIDTH wide; plain
+    # device, and on a CPU with AMX-BF16 for a draft at least 512 wide (draftadapt/precision.py); plain
     # float32 elsewhere; "bf16" / "fp32" force one (docs/design.md, "Precision").
     precision: str = "auto"
 
@@ -98,13 +99,6 @@ class TrainConfig:
                               "CPU with AMX-BF16 for a wide draft, else float32), 'bf16' or 'fp32'")
 
 
-# train.precision=auto on a CPU: one optimizer step (2 cores, Intel Xeon with AMX-BF16, Eagle-3,
-# lm_head trained) in bf16 autocast against float32 took 1.06-1.34x as long at the toy's width
-# (128), 0.63-0.77x at SmolLM2's (576) and 0.58x at 1b widths (2048): below ~512 the casts cost
-# more than the bf16 matmuls save (docs/results.md, "bf16 on a CPU that has it").
-BF16_CPU_MIN_WIDTH = 512
-
-
 def draft_width(draft: nn.Module) -> int:
     """The draft's hidden width as its matmuls see it: the widest Linear's narrower side."""
     return max((min(m.in_features, m.out_features) for m in draft.modules() if isinstance(m, nn.Linear)), default=0)
@@ -116,7 +110,7 @@ def auto_precision(device: torch.device, draft: nn.Module) -> str:
     keeps float32 until its own step is measured (scripts/bench_step_vs_speculators.py)."""
     if device.type == "cuda":
         return "bf16"
-    if device.type == "cpu" and torch.cpu._is_amx_tile_supported() and draft_width(draft) >= BF16_CPU_MIN_WIDTH:
+    if device.type == "cpu" and cpu_bf16_pays(draft_width(draft)):
         return "bf16"
     return "fp32"
 

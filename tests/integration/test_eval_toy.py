@@ -41,6 +41,8 @@ def test_eval_prints_one_json_object_with_the_keys(trained_head, toy_target):
     assert simulated == pytest.approx(measured, rel=0.03)
     assert result["tokens_per_s_spec"] > 0 and result["tokens_per_s_plain"] > 0
     assert result["speedup"] == pytest.approx(result["tokens_per_s_spec"] / result["tokens_per_s_plain"], rel=0.01)
+    # --precision auto (the default): the toy is 128 wide, below where bf16 pays on any CPU
+    assert result["engine_dtype"] == "float32"
 
 
 def test_eval_refuses_a_draft_for_another_target(trained_head, known_target):

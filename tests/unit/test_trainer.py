@@ -251,7 +251,8 @@ def test_auto_precision_is_bf16_on_cpu_only_where_amx_makes_a_wide_draft_faster(
     """train.precision=auto on a CPU: bf16 with AMX-BF16 for a draft at least 512 wide (measured:
     0.51-0.77x the float32 step at 576 and 2048, 1.06-1.34x at the toy's 128), float32 otherwise."""
     from draftadapt.train import trainer as trainer_mod
-    from draftadapt.train.trainer import BF16_CPU_MIN_WIDTH, auto_precision, draft_width
+    from draftadapt.precision import BF16_CPU_MIN_WIDTH
+    from draftadapt.train.trainer import auto_precision, draft_width
 
     narrow = init_from_target(tiny_target(), [1, 2, 3], None, None, 0)
     assert draft_width(narrow) == 32

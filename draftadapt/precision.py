@@ -1,0 +1,45 @@
+"""Which float precision pays on this machine: one rule for the adapter's trainer, the demo's
+policy update and the rollout engines (docs/design.md, "Precision").
+
+On a CPU, bf16 pays where the cores multiply bf16 tiles in hardware (AMX) and the matrices are
+wide enough for that to outrun the casts around it. Measured on an Intel Xeon with AMX-BF16
+(2 cores, docs/results.md "bf16 on a CPU that has it"): one Eagle-3 optimizer step in bf16
+autocast took 1.06-1.34x float32's at the toy's width (128), 0.63-0.77x at SmolLM2's (576),
+0.58x at 1b widths (2048); vLLM 0.32 decoding SmolLM2 in bf16 took 0.58-0.85x float32's step at
+1-32 sequences. On an AMD EPYC with avx512_bf16 but no AMX, vLLM served SmolLM2 1.56x faster in
+float32 (docs/design.md, "A real model"), so there float32 stays."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+BF16_CPU_MIN_WIDTH = 512
+PRECISIONS = ("auto", "bf16", "fp32")
+
+
+def cpu_bf16_pays(width: int) -> bool:
+    """bf16 on this CPU for matmuls ``width`` wide: AMX tiles and width >= BF16_CPU_MIN_WIDTH."""
+    return bool(torch.cpu._is_amx_tile_supported()) and width >= BF16_CPU_MIN_WIDTH
+
+
+def engine_dtype(precision: str, target: str | Path) -> str | None:
+    """The dtype a rollout engine serves ``target`` in, for a precision setting: "bf16" ->
+    "bfloat16", "fp32" -> "float32", "auto" -> "bfloat16" on a CPU-only machine where
+    :func:`cpu_bf16_pays` for the target's hidden size, else None (the target's own dtype; on a GPU
+    that is what the checkpoint says). vLLM casts a float32 checkpoint as it loads it, and every
+    policy update casts as it lands (RolloutEngine.update_policy), so the build stays as it is."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"engine precision {precision!r}: use 'auto' (bf16 where this CPU multiplies it in "
+                         "hardware and the model is wide enough, else the model's own dtype), 'bf16' or 'fp32'")
+    if precision != "auto":
+        return {"bf16": "bfloat16", "fp32": "float32"}[precision]
+    if torch.cuda.is_available():
+        return None
+    from draftadapt.drafts.formats import read_hf_config
+
+    cfg = read_hf_config(target)
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
+    width = int(cfg.get("hidden_size") or text.get("hidden_size") or 0)
+    return "bfloat16" if cpu_bf16_pays(width) else None
