@@ -188,6 +188,13 @@ def test_the_readme_commands_on_the_real_model(smollm2_model, tmp_path):
     assert e["k"] == 3 and 1.0 <= e["acceptance_length_measured"] <= 4.0
     # --precision auto: served as the demo serves it (bf16 on a CPU with AMX-BF16)
     assert e["engine_dtype"] == ("bfloat16" if torch.cpu._is_amx_tile_supported() else "float32")
+    # README, "Precision": the same eval with the engines forced to float32
+    ev32 = subprocess.run([sys.executable, "-m", "draftadapt.cli", "eval", "--target", str(smollm2_model), "--draft",
+                           str(draft), "--k", "3", "--temperature", "0.7", "--num-prompts", "2", "--max-tokens", "16",
+                           "--precision", "fp32", "--json"], capture_output=True, text=True, timeout=900)
+    assert ev32.returncode == 0, ev32.stderr[-3000:]
+    e32 = json.loads(ev32.stdout.strip().splitlines()[-1])
+    assert e32["engine_dtype"] == "float32" and 1.0 <= e32["acceptance_length_measured"] <= 4.0, e32
     # the offline estimate follows vLLM's count (measured 1.307 against 1.301 on 64 prompts)
     assert abs(e["acceptance_length_simulated"] - e["acceptance_length_measured"]) < 0.15, e
     # scripts/style_acceptance.py --show (README, "On a real model") on that head and its own data

@@ -41,9 +41,10 @@ def test_eval_flags_are_evaluateconfig_fields():
     args = _parser().parse_args(["eval", "--target", "t", "--draft", "d"])
     assert load_config(EvaluateConfig, None, field_overrides(args, EVAL_FLAGS)) == EvaluateConfig(target="t", draft="d")
     args = _parser().parse_args(["eval", "--target", "t", "--draft", "d", "--k", "5", "--temperature", "0",
-                                 "--num-prompts", "8", "--max-tokens", "32", "--seed", "1"])
+                                 "--num-prompts", "8", "--max-tokens", "32", "--seed", "1", "--precision", "fp32"])
     cfg = load_config(EvaluateConfig, None, field_overrides(args, EVAL_FLAGS))
     assert (cfg.k, cfg.temperature, cfg.num_prompts, cfg.max_tokens, cfg.seed) == (5, 0.0, 8, 32, 1)
+    assert cfg.precision == "fp32" and EvaluateConfig().precision == "auto"
 
 
 def test_eval_k_table_flags_are_evaluateconfig_fields():
