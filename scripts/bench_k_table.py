@@ -1,7 +1,8 @@
 """What does a k drafted from a k_max engine's k table cost, against a fixed-k engine and a plain one?
 
     .venv/bin/python scripts/bench_k_table.py --target DIR --draft DIR [--world toy|smollm2] \
-        [--k 3] [--k-max 5] [--batch-sizes 8,32] [--rounds 3] [--max-tokens 96] [--arms a,b,...] [--json]
+        [--k 3] [--k-max 5] [--batch-sizes 8,32] [--rounds 3] [--max-tokens 96] [--arms a,b,...] \
+        [--precision auto|bf16|fp32] [--json]
 
 Online k (docs/design.md "Online k") starts one engine at k_max and changes its per-batch-size
 table; the cost model it uses assumes a k drafted that way costs what a fixed-k engine's step
@@ -50,6 +51,9 @@ def main() -> int:
     ap.add_argument("--arms", default="", help="comma-separated arm names (default: all; plain is always kept)")
     ap.add_argument("--plain-first", action="store_true", help="start the plain engine before the speculative ones "
                     "(the engine started first measures slower in this process; run both orders)")
+    ap.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto",
+                    help="the engines' weights, as the demo's engine_precision (auto: bf16 on a CPU with AMX-BF16 "
+                         "for a target at least 512 wide, else the target's dtype)")
     ap.add_argument("--json", action="store_true", help="print only the JSON object")
     args = ap.parse_args()
     if not 1 <= args.k <= args.k_max:
@@ -67,6 +71,7 @@ def main() -> int:
     from draftadapt.demo import make_world
     from draftadapt.engine.rollout import RolloutEngine
     from draftadapt.metrics.kcost import step_seconds
+    from draftadapt.precision import engine_dtype
 
     pool = make_world(args.world).heldout_prompts(Path(args.target), max(bss))
     if not pool:
@@ -74,19 +79,20 @@ def main() -> int:
     prompts = [pool[i % len(pool)] for i in range(max(bss))]
     kinds = {kind for kind, _, _ in arms.values()}
     max_seqs = max(64, max(bss))
+    dtype = engine_dtype(args.precision, args.target)
     engines = {}
     try:
         if args.plain_first:
-            engines["plain"] = RolloutEngine(args.target, None, threads=args.threads, max_num_seqs=max_seqs)
+            engines["plain"] = RolloutEngine(args.target, None, threads=args.threads, max_num_seqs=max_seqs, dtype=dtype)
         if "fixed" in kinds:
             engines["fixed"] = RolloutEngine(args.target, args.draft, num_speculative_tokens=args.k,
-                                             threads=args.threads, max_num_seqs=max_seqs)
+                                             threads=args.threads, max_num_seqs=max_seqs, dtype=dtype)
         if "table" in kinds:
             engines["table"] = RolloutEngine(args.target, args.draft, num_speculative_tokens=args.k_max,
-                                             threads=args.threads, max_num_seqs=max_seqs,
+                                             threads=args.threads, max_num_seqs=max_seqs, dtype=dtype,
                                              k_schedule=[(1, max_seqs, args.k)])
         if not args.plain_first:
-            engines["plain"] = RolloutEngine(args.target, None, threads=args.threads, max_num_seqs=max_seqs)
+            engines["plain"] = RolloutEngine(args.target, None, threads=args.threads, max_num_seqs=max_seqs, dtype=dtype)
         best: dict[tuple[str, int], tuple[float, float]] = {}
         for b in bss:
             for _ in tqdm(range(args.rounds), desc=f"{b} sequences", unit="round", file=sys.stderr):
