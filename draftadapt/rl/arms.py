@@ -13,8 +13,8 @@ import torch
 
 from draftadapt.config import load_config
 from draftadapt.engine.rollout import DraftSwapError, RolloutEngine
-from draftadapt.precision import engine_dtype
 from draftadapt.online_k import schedule_text
+from draftadapt.precision import engine_dtype
 from draftadapt.rl.config import demo_pretrain_overrides, DemoConfig
 
 

@@ -35,9 +35,9 @@ from draftadapt.config import save_config
 from draftadapt.drafts.formats import META_FILE, model_dtype
 from draftadapt.engine.remote import EngineProcess
 from draftadapt.engine.rollout import RolloutEngine
-from draftadapt.precision import engine_dtype
 from draftadapt.metrics.logger import make_logger
 from draftadapt.online_k import OnlineK, schedule_text
+from draftadapt.precision import engine_dtype
 from draftadapt.rl.arms import FIXED_K_ARM, measure_fresh, record_step, seed_online_k
 from draftadapt.rl.config import demo_adapter, DemoConfig
 from draftadapt.rl.grpo import grpo_update, policy_precision

@@ -67,7 +67,6 @@ def test_two_rl_steps_adapt_and_swap_the_head(smollm2_demo):
     assert adapted[-1] > frozen[-1], (adapted, frozen)
     assert (out / "final_policy" / "chat_template.jinja").is_file() and (out / "acceptance.png").is_file()
     # 576 wide: both the policy's update and the adapter's trainer take bf16 autocast on a CPU with
-    # AMX-BF16 ("auto"), float32 on one without (docs/design.md, "Precision")
     # AMX-BF16 ("auto"), float32 on one without (docs/design.md, "Precision"); the engines serve in
     # bf16 there too (engine_precision=auto), else in the build's float32
     amx = torch.cpu._is_amx_tile_supported()
