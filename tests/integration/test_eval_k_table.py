@@ -42,9 +42,15 @@ def test_k_table_prints_the_table_and_the_argmax_of_the_prediction(toy_target, t
     for b in (4, 8):
         assert result["choice"][str(b)] == max((0, 2), key=lambda k: (rows[(k, b)]["tokens_per_s"], -k))
         assert result["model_choice"][str(b)] == max((0, 2), key=lambda k: (rows[(k, b)]["tokens_per_s_predicted"], -k))
-    # every k here is a fitted one: the step cost is exact where measured, so the prediction
-    # differs from the measurement only by the acceptance (pooled over batch sizes vs this cell's)
+    # every k here is a fitted one: the step cost is exact where measured, except that a
+    # speculative step is never predicted below the plain one (kcost.step_cost's floor: under the
+    # suite's load a k = 2 step at 8 sequences once measured 21.7 ms against the plain 24.4), so the
+    # prediction differs from the measurement only by the acceptance (pooled over batch sizes vs
+    # this cell's) and, where the floor holds it, by the step
     for (k, b), r in rows.items():
+        step_ms = max(r["step_ms"], rows[(0, b)]["step_ms"])
+        assert r["step_ms_predicted"] == pytest.approx(step_ms, rel=2e-3), r
         ratio = r["tokens_per_s_predicted"] / r["tokens_per_s"]
-        assert ratio == pytest.approx(r["acceptance_length_predicted"] / r["acceptance_length"], rel=2e-3), r
+        want = r["acceptance_length_predicted"] / r["acceptance_length"] * r["step_ms"] / step_ms
+        assert ratio == pytest.approx(want, rel=2e-3), r
     assert result["best_measured"] == result["choice"] and all(0 < v <= 1.0 for v in result["model_vs_best"].values())

@@ -23,7 +23,7 @@ PACKAGE = REPO / "draftadapt"
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("core", ("draftadapt", "draftadapt.fileio", "draftadapt.tensors", "draftadapt.config", "draftadapt.progress")),
     ("metrics", ("draftadapt.metrics",)),
-    ("drafts", ("draftadapt.drafts",)),
+    ("drafts", ("draftadapt.drafts", "draftadapt.precision")),
     ("engine", ("draftadapt.engine",)),
     ("data", ("draftadapt.data", "draftadapt.spool")),
     ("capture", ("draftadapt.capture",)),
