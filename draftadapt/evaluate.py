@@ -35,7 +35,7 @@ from typing import Any, Literal
 import torch
 
 from draftadapt.config import ConfigError, load_config
-from draftadapt.drafts.formats import DraftFormatError, model_dtype
+from draftadapt.drafts.formats import DraftFormatError
 from draftadapt.metrics.acceptance import AcceptanceStats
 from draftadapt.metrics.kcost import (
     acceptance_length_at,
@@ -46,7 +46,7 @@ from draftadapt.metrics.kcost import (
     step_cost,
     step_seconds,
 )
-from draftadapt.precision import engine_dtype
+from draftadapt.precision import engine_dtype, served_dtype
 from draftadapt.pretrain import ToyWorld
 from draftadapt.progress import progress
 from draftadapt.train.methods import method_of_dir
@@ -191,7 +191,7 @@ def evaluate(cfg: EvaluateConfig, repeats: int = 1, threads: int | None = None,
         "method": method,
         "k": k,
         "temperature": temperature,
-        "engine_dtype": dtype or model_dtype(target),
+        "engine_dtype": served_dtype(cfg.precision, target),
         "num_prompts": n,
         "acceptance_length_measured": round(measured, 4),
         "acceptance_length_simulated": round(visited.length, 4),
@@ -232,10 +232,10 @@ def k_table(cfg: EvaluateConfig, threads: int | None = None, toy: ToyWorld | Non
     cells: dict[tuple[int, int], tuple[float, AcceptanceStats]] = {}
     t0 = time.perf_counter()
     bar = progress(total=len(run_ks), desc="k table (one engine per k)", unit="engine")
+    dtype = engine_dtype(cfg.precision, target)
     for k in run_ks:
         runs = _run_engine(target, draft if k else None, method if k else None, max(k, 1), [prompts[:b] for b in bss],
-                           cfg.temperature, cfg.max_tokens, cfg.seed, cfg.table_repeats, threads,
-                           engine_dtype(cfg.precision, target))
+                           cfg.temperature, cfg.max_tokens, cfg.seed, cfg.table_repeats, threads, dtype)
         for b, rs in zip(bss, runs):
             cells[(k, b)] = (max(r.tokens_per_s for r in rs), _sum_stats([r.acceptance for r in rs]))
         bar.update(1)

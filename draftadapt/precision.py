@@ -44,3 +44,11 @@ def engine_dtype(precision: str, target: str | Path) -> str | None:
     text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
     width = int(cfg.get("hidden_size") or text.get("hidden_size") or 0)
     return "bfloat16" if cpu_bf16_pays(width) else None
+
+
+def served_dtype(precision: str, target: str | Path) -> str:
+    """The dtype name the engines serve ``target`` in: :func:`engine_dtype`, with None resolved to
+    the target's own (what RolloutEngine does with it), for summaries and reports."""
+    from draftadapt.drafts.formats import model_dtype
+
+    return engine_dtype(precision, target) or model_dtype(target)

@@ -32,12 +32,12 @@ import torch
 from draftadapt.adapter import DraftAdapter
 from draftadapt.boundary import StepBoundary
 from draftadapt.config import save_config
-from draftadapt.drafts.formats import META_FILE, model_dtype
+from draftadapt.drafts.formats import META_FILE
 from draftadapt.engine.remote import EngineProcess
 from draftadapt.engine.rollout import RolloutEngine
 from draftadapt.metrics.logger import make_logger
 from draftadapt.online_k import OnlineK, schedule_text
-from draftadapt.precision import engine_dtype
+from draftadapt.precision import engine_dtype, served_dtype
 from draftadapt.rl.arms import FIXED_K_ARM, measure_fresh, record_step, seed_online_k
 from draftadapt.rl.config import demo_adapter, DemoConfig
 from draftadapt.rl.grpo import grpo_update, policy_precision
@@ -111,7 +111,7 @@ def run(cfg: DemoConfig, world: World) -> dict:
     trainer = getattr(r.adapter, "trainer", None)
     summary["precision"] = {"policy_update": policy_precision(r.policy, cfg.grpo),
                             "adapter": trainer.precision if trainer is not None else None,
-                            "engine": engine_dtype(cfg.engine_precision, r.target) or model_dtype(r.target)}
+                            "engine": served_dtype(cfg.engine_precision, r.target)}
     summary["total_seconds"] = time.perf_counter() - t_run  # world setup + RL loop + fresh reference
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     if r.spec_engine is not None:
