@@ -512,6 +512,19 @@ class DraftAdapter:
         hundred sequences at most (docs/design.md, "On a GPU")."""
         return self.targets.handover(policy, subset)
 
+    def heldout_subset(self, rollouts: Iterable[Any], policy_version: int) -> list[int]:
+        """The indices of one RL step's ``rollouts`` (sampled by ``policy_version``) that
+        validation will score: those whose prompt the replay holds out, at most
+        ``validation.max_heldout``. Their prompts are numbered in the replay as observing all of
+        them would, so a hand-over of only these (``handover(policy, subset=...)``) keeps the same
+        held-out share. What a paused adapter hands over: it trains nothing, and
+        :meth:`simulate_live` scores only these (docs/design.md, "Stepping aside")."""
+        prompts = [s.prompt_ids for s in as_sequences(rollouts)]
+        self.replay.register_prompts(policy_version, prompts)
+        held = [i for i, h in enumerate(self.replay.holdout_plan(policy_version, prompts)) if h]
+        cap = self.replay.max_heldout
+        return held if cap is None else held[:cap]
+
     @_timed
     def observe(self, rollouts: Iterable[Any], policy_version: int, handover: HandOver | None = None,
                 hidden_states: Sequence[torch.Tensor] | None = None, source: str | None = None) -> int:

@@ -335,6 +335,8 @@ def main(argv: list[str] | None = None) -> int:
                          # the adapter trained nothing while no batch size drafted; what it
                          # simulated for its draft on those steps' rollouts is what resumes drafting
                          "adapter_paused_per_step": [h.get("adapt/paused", 0.0) for h in history],
+                         # rollouts TRL's forward handed over: while paused, only those it simulates on
+                         "handover_rows_per_step": [h.get("adapt/handover_rows") for h in history],
                          "simulated_length_per_step": [h.get("accept/simulated_live") for h in history],
                          "cost_model": rollouts.online_k.model.to_dict()}
     s["drafts"] = {"published": int(sum(h.get("adapt/published", 0.0) for h in history)),

@@ -272,8 +272,10 @@ class HandedOver:
 
     def keep(self, indices: Sequence[int]) -> "HandedOver":
         """Keep only rollouts ``indices``, renumbered 0..len-1 in that order (to observe a subset
-        of a step's rollouts, e.g. those a trainer's forward covered). Returns self."""
+        of a step's rollouts, e.g. those a trainer's forward covered). ``observe`` then takes
+        exactly those rollouts, in that order (a subset chosen up front is spent). Returns self."""
         self.rows = {j: self.rows[int(i)] for j, i in enumerate(indices)}
+        self.subset = None
         return self
 
     def tensors(self, n: int) -> list[dict[str, torch.Tensor]]:
@@ -379,24 +381,29 @@ class HandOver(HandedOver):
 
     @torch.no_grad()
     def add(self, index: Sequence[int], logits: torch.Tensor, attention_mask: torch.Tensor,
-            rows: Sequence[int] | None = None) -> None:
+            rows: Sequence[int] | None = None, forward_rows: Sequence[int] | None = None) -> None:
         """Keep rows ``index`` (rollout positions) of the forward that just produced ``logits``.
 
         logits: [B, T, Vt]; attention_mask: [B, T], each row's tokens one contiguous run (right
         padded as ``collate`` does, or left padded prompts followed by right padded completions as
         TRL does). ``rows``: which batch rows ``index`` refers to (default: all, in order; a row
-        may be named twice when two rollouts are the same tokens). Detached; the trainer's graph
-        is not touched."""
+        may be named twice when two rollouts are the same tokens). ``forward_rows``: the row of
+        the policy's forward each row of ``logits`` came from (default: the same row), for logits
+        projected from some of the forward's rows only (a subset hand-over: the others' output
+        head is never run). Detached; the trainer's graph is not touched."""
         index = list(index)
         rows = list(range(logits.shape[0])) if rows is None else list(rows)
-        if len(rows) != len(index) or attention_mask.shape[:2] != logits.shape[:2]:
+        if len(rows) != len(index) or attention_mask.shape[:2] != logits.shape[:2] or \
+                (forward_rows is not None and len(forward_rows) != logits.shape[0]):
             raise ValueError(f"hand-over: {len(index)} rollout indices for rows {rows[:8]} of logits "
-                             f"{tuple(logits.shape)} and attention mask {tuple(attention_mask.shape)}; "
-                             "pass one index per row")
+                             f"{tuple(logits.shape)} and attention mask {tuple(attention_mask.shape)}"
+                             f"{'' if forward_rows is None else f' from forward rows {list(forward_rows)[:8]}'}; "
+                             "pass one index per row and one forward row per row of logits")
         mask = attention_mask.bool()
         lengths = mask.sum(-1).tolist()
         starts = mask.int().argmax(-1).tolist()  # first token of each row (0 when right padded)
-        self._take(index, logits, [(r, starts[r], starts[r] + lengths[r]) for r in rows])
+        self._take(index, logits, [(r, starts[r], starts[r] + lengths[r]) for r in rows],
+                   None if forward_rows is None else [int(f) for f in forward_rows])
 
     @torch.no_grad()
     def add_packed(self, index: Sequence[int], logits: torch.Tensor, offsets: Sequence[int],
@@ -415,8 +422,10 @@ class HandOver(HandedOver):
                              "and one sequence per index")
         self._take(index, logits, [(0, offsets[j], offsets[j + 1]) for j in rows])
 
-    def _take(self, index: list[int], logits: torch.Tensor, spans: list[tuple[int, int, int]]) -> None:
-        """Rollout ``index[j]``'s tokens are ``logits[row, lo:hi]`` for ``spans[j] = (row, lo, hi)``."""
+    def _take(self, index: list[int], logits: torch.Tensor, spans: list[tuple[int, int, int]],
+              forward_rows: list[int] | None = None) -> None:
+        """Rollout ``index[j]``'s tokens are ``logits[row, lo:hi]`` for ``spans[j] = (row, lo, hi)``;
+        its aux states are the forward's row ``forward_rows[row]`` (default: ``row``)."""
         t0 = time.perf_counter()
         aux = self._hooks.aux()
         head_input = None
@@ -449,7 +458,7 @@ class HandOver(HandedOver):
             if aux is not None:
                 # stored as aux_dtype (bf16): the policy's own on a bf16 policy, no cast at all;
                 # a float32 policy's cast runs on the copy stream
-                row["aux_hidden"] = copy(aux[r, lo:hi], self.aux_dtype)
+                row["aux_hidden"] = copy(aux[r if forward_rows is None else forward_rows[r], lo:hi], self.aux_dtype)
             self.rows[int(i)] = row
         self._copies.mark()
         self._hooks.grabbed.clear()

@@ -84,6 +84,11 @@ class ReplayItem:
         return TokenSequence(ids[: self.prompt_len], ids[self.prompt_len :])
 
 
+def _prompt_key(prompt_ids: Sequence[int] | torch.Tensor) -> tuple[int, ...]:
+    """A prompt's token ids as :attr:`ReplayItem.prompt_key` holds them."""
+    return tuple(int(t) for t in torch.as_tensor(prompt_ids).reshape(-1).tolist())
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -165,10 +170,8 @@ class ReplayBuffer:
         item = ReplayItem(self._next_uid, policy_version, ids, prompt_len, owned, source)
         if self.max_bytes is not None and item.nbytes > self.max_bytes:
             raise ValueError(f"a sequence of {item.nbytes} bytes exceeds max_bytes {self.max_bytes}; raise max_bytes")
-        prompts = self._prompts.setdefault(policy_version, {})
-        if item.prompt_key not in prompts:
-            prompts[item.prompt_key] = self._is_holdout(len(prompts))
-        item.holdout = prompts[item.prompt_key]
+        self.register_prompts(policy_version, [item.prompt_key])
+        item.holdout = self._prompts[policy_version][item.prompt_key]
         self._next_uid += 1
         if policy_version not in self._by_version:
             self._by_version[policy_version] = deque()
@@ -178,6 +181,25 @@ class ReplayBuffer:
         self._bytes += item.nbytes
         gone = self._evict()
         return None if item.uid in gone else item
+
+    def holdout_plan(self, policy_version: int, prompts: Sequence[Sequence[int] | torch.Tensor]) -> list[bool]:
+        """Whether each of ``prompts`` (one per sequence, in the order they would be added to
+        ``policy_version``) would be held out; nothing changes. What lets a caller hand over only
+        the sequences that validation will score before they exist (a paused adapter's hand-over)."""
+        seen = dict(self._prompts.get(policy_version, {}))
+        for key in map(_prompt_key, prompts):
+            if key not in seen:
+                seen[key] = self._is_holdout(len(seen))
+        return [seen[key] for key in map(_prompt_key, prompts)]
+
+    def register_prompts(self, policy_version: int, prompts: Sequence[Sequence[int] | torch.Tensor]) -> None:
+        """Number ``prompts`` (in this order) among ``policy_version``'s, as adding their sequences
+        would, without adding any: a caller that adds only some of a step's sequences (a subset
+        hand-over) keeps the held-out prompts that adding all of them would have chosen."""
+        seen = self._prompts.setdefault(policy_version, {})
+        for key in map(_prompt_key, prompts):
+            if key not in seen:
+                seen[key] = self._is_holdout(len(seen))
 
     def add_shard(self, shard: RolloutShard) -> list[ReplayItem]:
         """Add every sequence of a spool shard (with its aux hidden states if it has them)."""

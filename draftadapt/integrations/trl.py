@@ -117,6 +117,7 @@ class SpeculativeRollouts:
         self._batch: list | None = None  # its rollouts, and their token sequences -> rollout indices
         self._keys: dict[tuple[int, ...], list[int]] = {}
         self._batch_version = 0
+        self._batch_paused = False  # whether the adapter was paused when the batch's hand-over began
         self._synced_step: int | None = None
         self._rng = random.Random(0)
         self._window = _Window()
@@ -199,16 +200,19 @@ class SpeculativeRollouts:
         weights = {k: v.detach() for k, v in _unwrap(trainer).state_dict().items()}
         self._synced_step = step
         rollouts = ho = None
+        # no batch size drafts: the adapter trains nothing nobody serves (docs/design.md, "Stepping
+        # aside"); decided when the batch's hand-over began (it then kept the held-out rollouts only)
+        paused = self._pause_adapter()
         if self.adapter is not None and self._batch is not None:
             ho, self._handover = self._handover, None
             ho.__exit__(None, None, None)
+            wanted = len(self._batch) if ho.subset is None else len(ho.subset)
             kept = sorted(ho.rows)  # rollouts TRL's forward covered (a masked-out one is not)
-            self._window.add("adapt/handover_missed", float(len(self._batch) - len(kept)))
+            self._window.add("adapt/handover_missed", float(wanted - len(kept)))
+            self._window.add("adapt/handover_rows", float(len(kept)))
             rollouts, ho = [self._batch[i] for i in kept], ho.keep(kept)
-            self._batch, self._keys = None, {}
-        # no batch size drafts: the adapter trains nothing nobody serves (docs/design.md, "Stepping aside")
-        self._boundary.paused = (self.online_k is not None and self.adapter is not None and self.online_k.pause_adapter(
-            self.engine, self.adapter.fresh_length(), self.adapter.cfg.k))
+            self._batch, self._keys, paused = None, {}, self._batch_paused
+        self._boundary.paused = paused
         b = self._boundary.after_update(rollouts, sampled_version=self._batch_version, weights=weights,
                                         version=step, handover=ho, integrity=self.check_integrity)
         self._window.sync_s += time.perf_counter() - t0 - b.adapter_s
@@ -256,7 +260,15 @@ class SpeculativeRollouts:
         self._keys = {}
         for i, rollout in enumerate(rollouts):
             self._keys.setdefault((*rollout.prompt_token_ids, *rollout.token_ids), []).append(i)
-        self._handover = self.adapter.handover(_unwrap(self.trainer)).__enter__()
+        # paused (no batch size drafts): only the rollouts the simulated acceptance scores are
+        # handed over; the adapter trains on none of them (docs/design.md, "Stepping aside")
+        self._batch_paused = self._pause_adapter()
+        subset = self.adapter.heldout_subset(rollouts, version) if self._batch_paused else None
+        self._handover = self.adapter.handover(_unwrap(self.trainer), subset).__enter__()
+
+    def _pause_adapter(self) -> bool:
+        return (self.online_k is not None and self.adapter is not None
+                and self.online_k.pause_adapter(self.engine, self.adapter.fresh_length(), self.adapter.cfg.k))
 
     def _hook_policy(self, model) -> None:
         """A hook on the decoder's output (input ids, mask, final hidden states): every forward of
@@ -275,17 +287,25 @@ class SpeculativeRollouts:
             ids, mask = kwargs.get("input_ids"), kwargs.get("attention_mask")
             if ho is None or ids is None or mask is None:
                 return
+            keep = None if ho.subset is None else set(ho.subset)
             index, rows = [], []
             for r in range(ids.shape[0]):
                 for i in self._keys.get(tuple(ids[r][mask[r].bool()].tolist()), ()):
-                    if i not in ho.rows:
+                    if i not in ho.rows and (keep is None or i in keep):
                         index.append(i)
                         rows.append(r)
-            if not rows:  # a forward over rollouts already handed over (or not ours)
+            if not rows:  # a forward over rollouts already handed over, not chosen, or not ours
                 return
+            # TRL's own forward projects only the completions' last positions: the output head over
+            # every token is the hand-over's, run on the rows it keeps only, and counted as its cost
+            t0 = time.perf_counter()
+            fwd = sorted(set(rows))
+            hidden = output.last_hidden_state.detach()
             with torch.no_grad():
-                logits = head(output.last_hidden_state.detach().to(head.weight.dtype))
-            ho.add(index, logits, mask, rows=rows)
+                logits = head((hidden if len(fwd) == ids.shape[0] else hidden[fwd]).to(head.weight.dtype))
+            ho.seconds += time.perf_counter() - t0
+            at = {r: j for j, r in enumerate(fwd)}
+            ho.add(index, logits, mask[fwd], rows=[at[r] for r in rows], forward_rows=fwd)
 
         self._hooks.append(decoder.register_forward_hook(hook, with_kwargs=True))
 

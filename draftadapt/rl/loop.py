@@ -222,10 +222,12 @@ def draw_batch(r: Run) -> tuple[list[dict], dict]:
     return problems, dict(temperature=cfg.temperature, max_tokens=cfg.max_tokens, seed=r.rng.randrange(1 << 30))
 
 
-def update(r: Run, step: int, problems: list[dict], rollouts, threads=None) -> tuple[dict, dict, Any]:
+def update(r: Run, step: int, problems: list[dict], rollouts, threads=None,
+           subset: list[int] | None = None) -> tuple[dict, dict, Any]:
     """The policy update (what the RL framework does anyway); with draftadapt its forward hands the
-    aux states and log-probs over. Returns (metrics, the new weights, the hand-over or None)."""
-    handover = r.adapter.handover(r.policy) if r.adapter is not None else contextlib.nullcontext()
+    aux states and log-probs over (of rollouts ``subset`` only, when given). Returns (metrics, the
+    new weights, the hand-over or None)."""
+    handover = r.adapter.handover(r.policy, subset) if r.adapter is not None else contextlib.nullcontext()
     with handover as ho:
         metrics = grpo_update(r.policy, r.reference, r.opt, problems, rollouts, r.cfg.grpo, r.pad_id, step,
                               lambda p, text: r.world.score(p, text, r.cfg.grpo), ho, threads=threads)
@@ -259,13 +261,17 @@ def sync_step(r: Run, boundary: StepBoundary, step: int) -> tuple[dict, list[dic
         row["k/schedule"] = schedule_text(r.spec_engine.k_schedule)
     if r.spool is not None:
         r.spool.write_rollouts(step, step, [x.prompt_token_ids for x in gen.rollouts], [x.token_ids for x in gen.rollouts])
-    t0 = time.perf_counter()
-    metrics, weights, ho = update(r, step, problems, gen.rollouts)
-    row.update(metrics)
-    handover_s = ho.seconds if ho is not None else 0.0
-    # no batch size drafts: the adapter trains nothing nobody serves (docs/design.md, "Stepping aside")
+    # no batch size drafts: the adapter trains nothing nobody serves, and the update's forward
+    # hands over only the rollouts its simulated acceptance scores (docs/design.md, "Stepping aside")
     boundary.paused = (r.online_k is not None and r.adapter is not None
                        and r.online_k.pause_adapter(r.spec_engine, r.adapter.fresh_length(), r.adapter.cfg.k))
+    subset = r.adapter.heldout_subset(gen.rollouts, step) if boundary.paused else None
+    t0 = time.perf_counter()
+    metrics, weights, ho = update(r, step, problems, gen.rollouts, subset=subset)
+    row.update(metrics)
+    handover_s = ho.seconds if ho is not None else 0.0
+    if ho is not None:
+        row["adapt/handover_rows"] = float(len(ho.rows))
     b = boundary.after_update(gen.rollouts, sampled_version=step, weights=weights, version=step + 1, handover=ho)
     row["stage/train_s"] = time.perf_counter() - t0 - handover_s - b.adapter_s
     row["stage/adapt_s"] = 0.0

@@ -269,6 +269,8 @@ def test_demo_steps_aside_where_no_k_pays(toy_target, tmp_path):
     for r in steps:
         assert r["k/b1"] == r["k/b16"] == 0.0 and r["k/undrafted_path"] == 1.0, r
         assert r["adapt/paused"] == 1.0 and not r.get("adapt/trained"), r
+        # handed over: the held-out share only (the first of 4 prompts, its 4 samples), not all 16
+        assert r["adapt/handover_rows"] == 4.0, r
         assert 1.0 <= r["accept/simulated_live"] < 1.2 and r["k/idle_simulated_length"] == r["accept/simulated_live"], r
         assert r["k/resumed"] == 0.0 and "accept/rl_batch_length" not in r, r  # nothing drafted on the RL batch
     assert not (out / "drafts" / "v1").exists()  # no round ran, so nothing was published past the first draft

@@ -242,6 +242,9 @@ def test_trl_recipe_on_the_real_model(smollm2_model, tmp_path):
     o = s["online_k"]
     assert s["k_policy"] == "online" and line["drafter_idle_steps"] == 2, o
     assert o["adapter_paused_per_step"] == [1.0, 1.0] and s["drafts"]["published"] == 0, o
+    # paused, TRL's forward hands over only the held-out share it simulates on: the first of the
+    # 2 prompts x 4 samples (a quarter of the prompts, at least one), not all 8
+    assert o["handover_rows_per_step"] == [4.0, 4.0], o
     assert all(1.0 <= x < 1.5 for x in o["simulated_length_per_step"]), o
     assert all(x is None for x in s["rl_batch_acceptance_per_step"]), "the idle drafter drafted"
     # the reward is the world's: correctness and a reply in French, each a share of the batch

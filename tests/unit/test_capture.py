@@ -190,6 +190,30 @@ def test_a_subset_hand_over_copies_and_gives_only_its_rollouts():
         ho.tensors(3)
 
 
+def test_logits_of_some_rows_of_the_forward_hand_over_what_the_whole_forward_does():
+    """A subset hand-over runs the output head on the kept rows only (TRL's hook): with
+    ``forward_rows`` naming the forward's rows, each rollout keeps the same log-probs and the aux
+    states of its own row, exactly as when the logits of every row are passed."""
+    model = tiny_target()
+    seqs = [Sequence([1, 2], [4 + j for j in range(2 + i)]) for i in range(4)]
+    batch = collate(seqs, 0)
+    with torch.no_grad():
+        hidden = model.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+    with HandOver(model, [1], None, temperature=1.0) as whole, torch.no_grad():
+        model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        whole.add(range(4), model.lm_head(hidden), batch["attention_mask"])
+    with HandOver(model, [1], None, temperature=1.0, subset=[3, 1]) as part, torch.no_grad():
+        model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        kept = [1, 3]
+        part.add([3, 1], model.lm_head(hidden[kept]), batch["attention_mask"][kept], rows=[1, 0], forward_rows=kept)
+    assert sorted(part.rows) == [1, 3]
+    for i in (1, 3):
+        torch.testing.assert_close(part.rows[i]["target_logp"], whole.rows[i]["target_logp"], atol=1e-6, rtol=0)
+        torch.testing.assert_close(part.rows[i]["aux_hidden"], whole.rows[i]["aux_hidden"], atol=0, rtol=0)
+    with pytest.raises(ValueError, match="one forward row per row of logits"):
+        part.add([3], model.lm_head(hidden[[3]]), batch["attention_mask"][[3]], forward_rows=[3, 1])
+
+
 def test_host_copies_on_the_cpu_are_plain_copies_and_nothing_waits():
     """Off a GPU, HostCopies is what the hand-over always did: a copy in host memory (never the
     caller's storage, which the trainer may change next), cast to the asked dtype, done at once."""

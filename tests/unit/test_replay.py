@@ -193,6 +193,32 @@ def test_grpo_groups_hold_out_whole_prompts_and_train_on_the_rest_of_the_newest_
     assert [it.source for it in buf.heldout()] == ["v1"]
 
 
+def test_a_step_whose_held_out_rollouts_alone_are_added_holds_out_what_adding_all_would():
+    """A paused adapter hands over only the rollouts validation scores: chosen by holdout_plan
+    before they exist, their prompts numbered by register_prompts, the held-out share is the
+    same as a buffer given the whole step (GRPO groups, an older version before, one prompt
+    twice in the step)."""
+    step = [([300 + (p if p != 5 else 2), 1], [g + 1]) for p in range(9) for g in range(3)]
+    full = ReplayBuffer(max_tokens=10_000, holdout_fraction=0.25, max_heldout=64)
+    part = ReplayBuffer(max_tokens=10_000, holdout_fraction=0.25, max_heldout=64)
+    for buf in (full, part):
+        buf.add([400, 1], [1], 6)
+        buf.add([300, 1], [1], 7)  # a prompt of the step, already in its version
+    plan = part.holdout_plan(7, [p for p, _ in step])
+    assert part.holdout_plan(7, [p for p, _ in step]) == plan  # nothing changed
+    for p, r in step:
+        full.add(p, r, 7)
+    part.register_prompts(7, [p for p, _ in step])
+    for i in [i for i, held in enumerate(plan) if held]:
+        assert part.add(*step[i], 7).holdout
+    assert [it.token_ids.tolist() for it in part.heldout()] == [it.token_ids.tolist() for it in full.heldout()]
+    # the version's prompts in order: 300 (0th, held), 301, 302, 303, 304 (4th, held), 306, 307,
+    # 308; the step's held-out rollouts are the groups of 300 and 304, after the earlier one of 300
+    assert sum(plan) == 2 * 3 and len(part.heldout()) == 1 + 6
+    # a prompt seen after registration keeps the numbering going, as in the full buffer
+    assert part.add([999, 1], [1], 7).holdout == full.add([999, 1], [1], 7).holdout
+
+
 def test_state_dict_round_trip_through_torch_save(tmp_path):
     buf = ReplayBuffer(max_tokens=50, holdout_fraction=0.5)
     for v in range(4):
