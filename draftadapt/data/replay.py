@@ -186,20 +186,22 @@ class ReplayBuffer:
         """Whether each of ``prompts`` (one per sequence, in the order they would be added to
         ``policy_version``) would be held out; nothing changes. What lets a caller hand over only
         the sequences that validation will score before they exist (a paused adapter's hand-over)."""
-        seen = dict(self._prompts.get(policy_version, {}))
-        for key in map(_prompt_key, prompts):
-            if key not in seen:
-                seen[key] = self._is_holdout(len(seen))
-        return [seen[key] for key in map(_prompt_key, prompts)]
+        keys = [_prompt_key(p) for p in prompts]
+        seen = self._number(dict(self._prompts.get(policy_version, {})), keys)
+        return [seen[key] for key in keys]
 
     def register_prompts(self, policy_version: int, prompts: Sequence[Sequence[int] | torch.Tensor]) -> None:
         """Number ``prompts`` (in this order) among ``policy_version``'s, as adding their sequences
         would, without adding any: a caller that adds only some of a step's sequences (a subset
         hand-over) keeps the held-out prompts that adding all of them would have chosen."""
-        seen = self._prompts.setdefault(policy_version, {})
-        for key in map(_prompt_key, prompts):
+        self._number(self._prompts.setdefault(policy_version, {}), map(_prompt_key, prompts))
+
+    def _number(self, seen: dict[tuple[int, ...], bool], keys) -> dict[tuple[int, ...], bool]:
+        """Give each new prompt key of ``keys`` its held-out flag by its position in ``seen``."""
+        for key in keys:
             if key not in seen:
                 seen[key] = self._is_holdout(len(seen))
+        return seen
 
     def add_shard(self, shard: RolloutShard) -> list[ReplayItem]:
         """Add every sequence of a spool shard (with its aux hidden states if it has them)."""
