@@ -201,8 +201,8 @@ class SpeculativeRollouts:
         self._synced_step = step
         rollouts = ho = None
         # no batch size drafts: the adapter trains nothing nobody serves (docs/design.md, "Stepping
-        # aside"); decided when the batch's hand-over began (it then kept the held-out rollouts only)
-        paused = self._pause_adapter()
+        # aside"); with a batch, decided when its hand-over began (it then kept the held-out rollouts only)
+        paused = self._batch_paused if self.adapter is not None and self._batch is not None else self._pause_adapter()
         if self.adapter is not None and self._batch is not None:
             ho, self._handover = self._handover, None
             ho.__exit__(None, None, None)
@@ -211,7 +211,7 @@ class SpeculativeRollouts:
             self._window.add("adapt/handover_missed", float(wanted - len(kept)))
             self._window.add("adapt/handover_rows", float(len(kept)))
             rollouts, ho = [self._batch[i] for i in kept], ho.keep(kept)
-            self._batch, self._keys, paused = None, {}, self._batch_paused
+            self._batch, self._keys = None, {}
         self._boundary.paused = paused
         b = self._boundary.after_update(rollouts, sampled_version=self._batch_version, weights=weights,
                                         version=step, handover=ho, integrity=self.check_integrity)
