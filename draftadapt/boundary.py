@@ -115,6 +115,39 @@ class SpoolPoll:
     error: Exception | None = None
 
 
+class PausedWatch:
+    """While the adapter is paused, which steps it watches on: hands over the step's held-out
+    rollouts and simulates the draft it would serve on them (what turns drafting back on). A
+    step watches while what the watch has spent since the pause began is within ``share`` of the
+    pause's wall time (the first paused step always does), so the watch costs ``share`` of the run
+    plus at most one watch, and a watch of w seconds in steps of T runs at least every
+    ceil(w / (share x T)) + 1 steps (docs/design.md, "Stepping aside")."""
+
+    def __init__(self, share: float, clock: Callable[[], float] = time.perf_counter):
+        self.share = share
+        self.clock = clock
+        self.since: float | None = None  # when the pause began (None: not paused)
+        self.spent = 0.0  # the watch's seconds since then
+
+    def due(self) -> bool:
+        now = self.clock()
+        if self.since is None:
+            self.since, self.spent = now, 0.0
+            return True
+        return self.spent <= self.share * (now - self.since)
+
+    def spend(self, seconds: float) -> None:
+        self.spent += seconds
+
+    def end(self) -> None:
+        self.since = None
+
+    def spent_share(self) -> float:
+        """What the watch has spent over the pause's time so far (0 before a second)."""
+        elapsed = 0.0 if self.since is None else self.clock() - self.since
+        return self.spent / elapsed if elapsed >= 1.0 else 0.0
+
+
 class StepBoundary:
     """The ordered adapter calls at an RL step's boundary (see the module docstring).
 
@@ -135,8 +168,38 @@ class StepBoundary:
         # serves; it scores the draft it would serve on the step's rollouts instead, which says
         # when a draft would pay again (``accept/simulated_live``; docs/design.md, "Stepping aside").
         self.paused = False
+        # Paused, whether this step watches (:meth:`plan`); a step that does not only follows the
+        # policy: no hand-over, no observe, no simulation, no integrity read-back.
+        self.watching = True
+        self.watch: PausedWatch | None = None
 
     # ------------------------------------------------------------------ events the caller tells
+
+    def plan(self, online_k, engine, rollouts: Sequence[Any], sampled_version: int) -> list[int] | None:
+        """Before the policy update's forward over one step's ``rollouts``: whether the adapter is
+        paused this step (``online_k.pause_adapter``: ``engine``'s drafter idles and even a fresh
+        draft would not pay; no ``online_k``: never), and what the trainer's hand-over keeps. None:
+        every rollout (not paused). Paused, on a step the watch affords (:class:`PausedWatch`,
+        ``online_k.cfg.watch_share``): the held-out rollouts its simulated acceptance scores
+        (``DraftAdapter.heldout_subset``); on the others nothing, and :attr:`hands_over` is False:
+        make no hand-over, and :meth:`after_update` only moves the adapter's policy on."""
+        a = self.adapter
+        self.paused = (a is not None and online_k is not None
+                       and online_k.pause_adapter(engine, a.fresh_length(), a.cfg.k))
+        if not self.paused:
+            if self.watch is not None:
+                self.watch.end()
+            self.watching = True
+            return None
+        if self.watch is None:
+            self.watch = PausedWatch(online_k.cfg.watch_share)
+        self.watching = self.watch.due()
+        return a.heldout_subset(rollouts, sampled_version) if self.watching else []
+
+    @property
+    def hands_over(self) -> bool:
+        """Whether this step's update should hand its states over (False: paused, not watching)."""
+        return self.adapter is not None and (not self.paused or self.watching)
 
     def report(self, acceptance) -> dict[str, float]:
         """The engine's acceptance counters of the RL batch just generated (free; they feed the
@@ -165,6 +228,9 @@ class StepBoundary:
         if a is None or rollouts is None:
             return res
         t0 = time.perf_counter()
+        # paused and not watching: nothing drafts, and a draft lost meanwhile is read back on the
+        # next step that watches, before the table could draft again
+        integrity = integrity and self.watching
         if self.background:
             # the round started before this step's generation: its draft first, then the checks
             res.metrics.update(a.finish_round())
@@ -179,6 +245,10 @@ class StepBoundary:
             res.metrics.update(self._learn(rollouts, sampled_version, weights, version, handover))
             self._swap(res)
         res.adapter_s = time.perf_counter() - t0
+        if self.paused and self.watch is not None:
+            if self.watching:  # all of it: the hand-over inside the trainer's forward too
+                self.watch.spend(res.adapter_s + getattr(handover, "seconds", 0.0))
+            res.metrics["adapt/watch_share"] = self.watch.spent_share()
         return res
 
     # ------------------------------------------------------------------ asynchronous RL
@@ -246,11 +316,15 @@ class StepBoundary:
         with the trainer's hand-over, load the policy's ``version`` into its own copy, run its
         round (or leave it due, background). Metrics of the round."""
         a = self.adapter
+        if self.paused and not self.watching:  # the watch's budget is spent: only follow the policy
+            a.update_policy(weights, version=version)
+            return {"adapt/paused": 1.0, "adapt/watched": 0.0}
         a.observe(rollouts, policy_version=sampled_version, handover=handover)
         a.update_policy(weights, version=version)
         if self.paused:
             live = a.simulate_live()
-            return {"adapt/paused": 1.0, **({} if live is None else {"accept/simulated_live": live})}
+            return {"adapt/paused": 1.0, "adapt/watched": 1.0,
+                    **({} if live is None else {"accept/simulated_live": live})}
         if self.background:
             self._round_due = True
             return {}

@@ -82,7 +82,8 @@ class OnlineKConfig:
     # Where no k pays at any batch size, draft at none: the engine's drafter then idles (no pass
     # at all, RolloutEngine.set_k_schedule) and the step costs what a plain one does. While idle
     # the engine measures nothing, so what says a draft would pay again is the adapter's
-    # simulated acceptance of the draft it would serve (``OnlineK.simulated``, every step).
+    # simulated acceptance of the draft it would serve (``OnlineK.simulated``, on the steps its
+    # watch runs: ``watch_share``).
     # False keeps one token drafted at a single sequence instead, measured by the engine itself.
     step_aside: bool = True
     # With step_aside and a known RL batch: stop the calibration after k = 0, 1 and 2 where
@@ -90,6 +91,14 @@ class OnlineKConfig:
     # are measured the first time a table would draft. On SmolLM2 (2 cores) k = 0-5 at 1-32
     # sequences took minutes, most of it in the longest k that such a head never drafts.
     early_stop: bool = True
+    # While the adapter is paused (no batch size drafts), the share of the run's wall time its
+    # watch may spend: the hand-over of the step's held-out rollouts and the simulated acceptance
+    # of the draft it would serve, which is what turns drafting back on. A step watches while
+    # what the watch spent since the pause began is within this share of the pause's time, so a
+    # watch of w seconds runs at least every ceil(w / (watch_share x step)) + 1 steps: every
+    # step where it is cheap next to the step (a GPU's), every few on a 2-core CPU, where it was
+    # 2.2% of TRL's SmolLM2 step (StepBoundary.plan; docs/design.md, "Stepping aside").
+    watch_share: float = 0.005
 
     def validate(self) -> None:
         if self.k_max < 1 or not self.batch_sizes or min(self.batch_sizes) < 1:
@@ -102,6 +111,8 @@ class OnlineKConfig:
             raise ConfigError(f"online_k: prior_drafts >= 1 (got {self.prior_drafts})")
         if not 0 < self.min_reach <= 1:
             raise ConfigError(f"online_k: 0 < min_reach <= 1 (got {self.min_reach})")
+        if not 0 <= self.watch_share <= 1:
+            raise ConfigError(f"online_k: 0 <= watch_share <= 1, a share of the run's time (got {self.watch_share})")
 
 
 def schedule_text(schedule: KSchedule) -> str:

@@ -337,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
                          "adapter_paused_per_step": [h.get("adapt/paused", 0.0) for h in history],
                          # rollouts TRL's forward handed over: while paused, only those it simulates on
                          "handover_rows_per_step": [h.get("adapt/handover_rows") for h in history],
+                         # paused, whether the step watched (its share of the run affords it: online_k.watch_share)
+                         "watched_per_step": [h.get("adapt/watched") for h in history],
                          "simulated_length_per_step": [h.get("accept/simulated_live") for h in history],
                          "cost_model": rollouts.online_k.model.to_dict()}
     s["drafts"] = {"published": int(sum(h.get("adapt/published", 0.0) for h in history)),

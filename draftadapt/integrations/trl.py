@@ -117,7 +117,6 @@ class SpeculativeRollouts:
         self._batch: list | None = None  # its rollouts, and their token sequences -> rollout indices
         self._keys: dict[tuple[int, ...], list[int]] = {}
         self._batch_version = 0
-        self._batch_paused = False  # whether the adapter was paused when the batch's hand-over began
         self._synced_step: int | None = None
         self._rng = random.Random(0)
         self._window = _Window()
@@ -200,19 +199,18 @@ class SpeculativeRollouts:
         weights = {k: v.detach() for k, v in _unwrap(trainer).state_dict().items()}
         self._synced_step = step
         rollouts = ho = None
-        # no batch size drafts: the adapter trains nothing nobody serves (docs/design.md, "Stepping
-        # aside"); with a batch, decided when its hand-over began (it then kept the held-out rollouts only)
-        paused = self._batch_paused if self.adapter is not None and self._batch is not None else self._pause_adapter()
+        # whether the adapter is paused (no batch size drafts) was planned when the batch's
+        # hand-over began (StepBoundary.plan: then it kept the held-out rollouts, or none)
         if self.adapter is not None and self._batch is not None:
-            ho, self._handover = self._handover, None
-            ho.__exit__(None, None, None)
-            wanted = len(self._batch) if ho.subset is None else len(ho.subset)
-            kept = sorted(ho.rows)  # rollouts TRL's forward covered (a masked-out one is not)
-            self._window.add("adapt/handover_missed", float(wanted - len(kept)))
-            self._window.add("adapt/handover_rows", float(len(kept)))
-            rollouts, ho = [self._batch[i] for i in kept], ho.keep(kept)
+            rollouts, ho, self._handover = self._batch, self._handover, None
+            if ho is not None:
+                ho.__exit__(None, None, None)
+                wanted = len(self._batch) if ho.subset is None else len(ho.subset)
+                kept = sorted(ho.rows)  # rollouts TRL's forward covered (a masked-out one is not)
+                self._window.add("adapt/handover_missed", float(wanted - len(kept)))
+                rollouts, ho = [self._batch[i] for i in kept], ho.keep(kept)
+            self._window.add("adapt/handover_rows", float(0 if ho is None else len(ho.rows)))
             self._batch, self._keys = None, {}
-        self._boundary.paused = paused
         b = self._boundary.after_update(rollouts, sampled_version=self._batch_version, weights=weights,
                                         version=step, handover=ho, integrity=self.check_integrity)
         self._window.sync_s += time.perf_counter() - t0 - b.adapter_s
@@ -220,10 +218,12 @@ class SpeculativeRollouts:
             return
         self._follow_draft(b)
         for name, v in b.metrics.items():
-            if name.startswith(("adapt/", "train/", "accept/simulated", "draft/integrity")):
+            if name == "adapt/watch_share":  # a share of the run so far: the newest holds
+                self._window.last[name] = v
+            elif name.startswith(("adapt/", "train/", "accept/simulated", "draft/integrity")):
                 self._window.add(name, v)
         self._window.swaps.extend(s.ms for s in b.swaps)
-        self._window.adapt_s += b.adapter_s + ho.seconds
+        self._window.adapt_s += b.adapter_s + (0.0 if ho is None else ho.seconds)
 
     def _calibrate(self, texts: list[str], trainer) -> None:
         """Online k: the engine's step costs at every k, measured on this first batch's prompts
@@ -261,14 +261,11 @@ class SpeculativeRollouts:
         for i, rollout in enumerate(rollouts):
             self._keys.setdefault((*rollout.prompt_token_ids, *rollout.token_ids), []).append(i)
         # paused (no batch size drafts): only the rollouts the simulated acceptance scores are
-        # handed over; the adapter trains on none of them (docs/design.md, "Stepping aside")
-        self._batch_paused = self._pause_adapter()
-        subset = self.adapter.heldout_subset(rollouts, version) if self._batch_paused else None
-        self._handover = self.adapter.handover(_unwrap(self.trainer), subset).__enter__()
-
-    def _pause_adapter(self) -> bool:
-        return (self.online_k is not None and self.adapter is not None
-                and self.online_k.pause_adapter(self.engine, self.adapter.fresh_length(), self.adapter.cfg.k))
+        # handed over, on the steps the paused adapter's watch affords, and the adapter trains on
+        # none of them (docs/design.md, "Stepping aside")
+        subset = self._boundary.plan(self.online_k, self.engine, rollouts, version)
+        self._handover = (self.adapter.handover(_unwrap(self.trainer), subset).__enter__()
+                          if self._boundary.hands_over else None)
 
     def _hook_policy(self, model) -> None:
         """A hook on the decoder's output (input ids, mask, final hidden states): every forward of

@@ -223,11 +223,12 @@ def draw_batch(r: Run) -> tuple[list[dict], dict]:
 
 
 def update(r: Run, step: int, problems: list[dict], rollouts, threads=None,
-           subset: list[int] | None = None) -> tuple[dict, dict, Any]:
-    """The policy update (what the RL framework does anyway); with draftadapt its forward hands the
-    aux states and log-probs over (of rollouts ``subset`` only, when given). Returns (metrics, the
-    new weights, the hand-over or None)."""
-    handover = r.adapter.handover(r.policy, subset) if r.adapter is not None else contextlib.nullcontext()
+           subset: list[int] | None = None, handover: bool = True) -> tuple[dict, dict, Any]:
+    """The policy update (what the RL framework does anyway); with draftadapt and ``handover`` its
+    forward hands the aux states and log-probs over (of rollouts ``subset`` only, when given).
+    Returns (metrics, the new weights, the hand-over or None)."""
+    handover = (r.adapter.handover(r.policy, subset) if r.adapter is not None and handover
+                else contextlib.nullcontext())
     with handover as ho:
         metrics = grpo_update(r.policy, r.reference, r.opt, problems, rollouts, r.cfg.grpo, r.pad_id, step,
                               lambda p, text: r.world.score(p, text, r.cfg.grpo), ho, threads=threads)
@@ -262,16 +263,15 @@ def sync_step(r: Run, boundary: StepBoundary, step: int) -> tuple[dict, list[dic
     if r.spool is not None:
         r.spool.write_rollouts(step, step, [x.prompt_token_ids for x in gen.rollouts], [x.token_ids for x in gen.rollouts])
     # no batch size drafts: the adapter trains nothing nobody serves, and the update's forward
-    # hands over only the rollouts its simulated acceptance scores (docs/design.md, "Stepping aside")
-    boundary.paused = (r.online_k is not None and r.adapter is not None
-                       and r.online_k.pause_adapter(r.spec_engine, r.adapter.fresh_length(), r.adapter.cfg.k))
-    subset = r.adapter.heldout_subset(gen.rollouts, step) if boundary.paused else None
+    # hands over only the rollouts its simulated acceptance scores, on the steps its watch
+    # affords (docs/design.md, "Stepping aside")
+    subset = boundary.plan(r.online_k, r.spec_engine, gen.rollouts, step)
     t0 = time.perf_counter()
-    metrics, weights, ho = update(r, step, problems, gen.rollouts, subset=subset)
+    metrics, weights, ho = update(r, step, problems, gen.rollouts, subset=subset, handover=boundary.hands_over)
     row.update(metrics)
     handover_s = ho.seconds if ho is not None else 0.0
-    if ho is not None:
-        row["adapt/handover_rows"] = float(len(ho.rows))
+    if r.adapter is not None:
+        row["adapt/handover_rows"] = float(len(ho.rows)) if ho is not None else 0.0
     b = boundary.after_update(gen.rollouts, sampled_version=step, weights=weights, version=step + 1, handover=ho)
     row["stage/train_s"] = time.perf_counter() - t0 - handover_s - b.adapter_s
     row["stage/adapt_s"] = 0.0

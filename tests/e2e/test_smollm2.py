@@ -243,9 +243,12 @@ def test_trl_recipe_on_the_real_model(smollm2_model, tmp_path):
     assert s["k_policy"] == "online" and line["drafter_idle_steps"] == 2, o
     assert o["adapter_paused_per_step"] == [1.0, 1.0] and s["drafts"]["published"] == 0, o
     # paused, TRL's forward hands over only the held-out share it simulates on: the first of the
-    # 2 prompts x 4 samples (a quarter of the prompts, at least one), not all 8
-    assert o["handover_rows_per_step"] == [4.0, 4.0], o
-    assert all(1.0 <= x < 1.5 for x in o["simulated_length_per_step"]), o
+    # 2 prompts x 4 samples (a quarter of the prompts, at least one), not all 8, and only on the
+    # steps the watch affords (online_k.watch_share, 0.5% of the run): the pause's first step;
+    # a second watch of ~1-3 s would need 200-600 s of pause, and a step here takes ~1-2 minutes
+    assert o["handover_rows_per_step"] == [4.0, 0.0] and o["watched_per_step"] == [1.0, 0.0], o
+    first, second = o["simulated_length_per_step"]
+    assert 1.0 <= first < 1.5 and second is None, o
     assert all(x is None for x in s["rl_batch_acceptance_per_step"]), "the idle drafter drafted"
     # the reward is the world's: correctness and a reply in French, each a share of the batch
     assert all(0.0 <= x <= 1.0 for x in s["style_frac_per_step"] + s["accuracy_per_step"]), s

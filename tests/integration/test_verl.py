@@ -95,9 +95,15 @@ def test_verl_online_k_steps_aside(toy_target, tmp_path):
     assert "draftadapt/accept/length" not in rows[1]
     assert arm["acceptance_length_per_step"][1] == 0.0  # verl's figure where no request drafted
     # the adapter trained nothing nobody serves: paused at both boundaries, watching by simulation
+    # on the pause's first step and on any later one its share of the run affords
+    # (online_k.watch_share): a step that does not watch reads no hand-over and simulates nothing
+    assert rows[0]["draftadapt/adapt/watched"] == 1.0
     for r in rows:
-        assert r["draftadapt/adapt/paused"] == 1.0 and 1.0 <= r["draftadapt/accept/simulated_live"] <= 4.0
-        assert r.get("draftadapt/adapt/published", 0.0) == 0.0
+        assert r["draftadapt/adapt/paused"] == 1.0 and r.get("draftadapt/adapt/published", 0.0) == 0.0
+        if r["draftadapt/adapt/watched"] == 1.0:
+            assert 1.0 <= r["draftadapt/accept/simulated_live"] <= 4.0, r
+        else:
+            assert "draftadapt/accept/simulated_live" not in r and r["draftadapt/handover_rows"] == 0.0, r
     assert arm["online_k"]["k_max_per_step"] == [0.0, 0.0]
     store = sorted(p.name for p in (out / "adapted" / "draftadapt" / "drafts").glob("v*"))
     assert len(store) == 1, store  # the starting draft only

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from draftadapt.boundary import LocalEngines, StepBoundary, as_engine_set
+import math
+
+from draftadapt.boundary import LocalEngines, PausedWatch, StepBoundary, as_engine_set
 from draftadapt.metrics.acceptance import AcceptanceStats
 
 
@@ -66,11 +68,94 @@ def test_a_paused_boundary_observes_and_scores_the_served_draft_but_trains_none(
     res = b.after_update(["r"], sampled_version=0, weights={}, version=1)
     assert calls == ["engine0.update_policy", "adapter.check_integrity", "adapter.observe", "adapter.update_policy",
                      "adapter.simulate_live", "adapter.swap"]
-    assert res.metrics == {"draft/integrity_ok": 1.0, "adapt/paused": 1.0, "accept/simulated_live": 1.25, "swap/ms": 3.0}
+    assert res.metrics == {"draft/integrity_ok": 1.0, "adapt/paused": 1.0, "adapt/watched": 1.0,
+                           "accept/simulated_live": 1.25, "swap/ms": 3.0}
     calls.clear()
     b.paused = False  # drafting again: the round runs as before
     b.after_update(["r"], sampled_version=1, weights={}, version=2)
     assert "adapter.run_round" in calls and "adapter.simulate_live" not in calls
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class PlannedAdapter(Recorder):
+    """A recorder with what StepBoundary.plan reads: the adapter's k and its held-out rollouts."""
+
+    cfg = SimpleNamespace(k=3)
+
+    def heldout_subset(self, rollouts, version):
+        self.calls.append("adapter.heldout_subset")
+        return [0, 1]
+
+
+class PauseK:
+    """Online k's side of the plan: pause_adapter answers as told."""
+
+    def __init__(self, share: float):
+        self.cfg = SimpleNamespace(watch_share=share)
+        self.pause = True
+
+    def pause_adapter(self, engine, fresh_length, k):
+        return self.pause
+
+
+def test_a_paused_adapter_watches_on_the_steps_its_share_affords_and_only_follows_the_policy_on_the_others():
+    calls: list[str] = []
+    engine, adapter = Recorder(calls, "engine0"), PlannedAdapter(calls, "adapter")
+    b, k, clock = StepBoundary(adapter, engine), PauseK(share=0.01), Clock()
+    b.watch = PausedWatch(k.cfg.watch_share, clock=clock)
+    watch = SimpleNamespace(seconds=0.5)  # the hand-over's seconds inside the trainer's forward
+
+    # the pause's first step watches: the held-out share handed over, observed, simulated
+    assert b.plan(k, engine, ["r"] * 4, 0) == [0, 1] and b.paused and b.hands_over
+    res = b.after_update(["r"] * 2, sampled_version=0, weights={}, version=1, handover=watch)
+    assert calls == ["adapter.fresh_length", "adapter.heldout_subset", "engine0.update_policy", "adapter.check_integrity",
+                     "adapter.observe",
+                     "adapter.update_policy", "adapter.simulate_live", "adapter.swap"]
+    assert res.metrics["adapt/watched"] == 1.0 and res.metrics["accept/simulated_live"] == 1.25
+    assert 0.5 <= b.watch.spent < 0.6  # the boundary's own seconds too
+
+    # 10 s on: 0.5 s spent is over 1% of 10 s: no hand-over, and the boundary only follows the policy
+    calls.clear()
+    clock.now = 10.0
+    assert b.plan(k, engine, ["r"] * 4, 1) == [] and b.paused and not b.hands_over
+    calls.clear()
+    res = b.after_update(["r"] * 4, sampled_version=1, weights={}, version=2, handover=None)
+    assert calls == ["engine0.update_policy", "adapter.update_policy", "adapter.swap"]
+    assert res.metrics["adapt/watched"] == 0.0 and "accept/simulated_live" not in res.metrics
+    assert abs(res.metrics["adapt/watch_share"] - b.watch.spent / 10.0) < 1e-12
+
+    clock.now = 60.0  # 1% of 60 s covers what was spent: the watch runs again
+    assert b.plan(k, engine, ["r"] * 4, 2) == [0, 1] and b.hands_over
+
+    k.pause = False  # drafting again: every rollout handed over, and the next pause starts afresh
+    assert b.plan(k, engine, ["r"] * 4, 3) is None and not b.paused and b.hands_over
+    k.pause, clock.now = True, 61.0
+    assert b.plan(k, engine, ["r"] * 4, 4) == [0, 1]
+    assert StepBoundary(adapter, engine).plan(None, engine, ["r"], 0) is None  # no online k: never paused
+    assert not StepBoundary(None, engine).hands_over
+
+
+def test_the_watch_costs_its_share_plus_one_watch_and_runs_at_least_every_few_steps():
+    for share, w, step in ((0.005, 3.6, 163.0), (0.005, 1.0, 80.0), (0.005, 0.2, 400.0), (0.02, 5.0, 20.0)):
+        clock = Clock()
+        watch, watched = PausedWatch(share, clock=clock), []
+        for i in range(200):
+            clock.now = i * step
+            if watch.due():
+                watch.spend(w)
+                watched.append(i)
+        elapsed = 200 * step
+        assert watch.spent <= share * elapsed + w, (share, w, step)
+        gaps = [b - a for a, b in zip(watched, watched[1:])]
+        assert watched[0] == 0 and max(gaps) <= math.ceil(w / (share * step)) + 1, (share, w, step, gaps)
+        assert (max(gaps) == 1) == (w <= share * step), (share, w, step, gaps)  # cheap: every step
 
 
 def test_a_paused_background_boundary_reports_what_it_simulated_and_leaves_no_round_due():

@@ -272,7 +272,13 @@ class DraftAdaptPPOTrainer(PPOTrainerSync):
             return
         version = self.global_steps
         rollouts, handed, weights = self._da_rollouts, None, None
-        if self._da_refs:
+        # no batch size drafts: the adapter trains nothing nobody serves, and watches only on the
+        # steps its budget affords (docs/design.md, "Stepping aside"); the actor's hand-over ran
+        # before this was known, so a paused step that does not watch only leaves it unread
+        self._da_boundary.plan(self._da_k, self._da_engines, rollouts, version - 1)
+        if self._da_refs and not self._da_boundary.hands_over:
+            m["draftadapt/handover_rows"] = 0.0
+        elif self._da_refs:
             payloads = ray.get(self._da_refs)
             rollouts, handed = gather(payloads, self._da_rollouts)
             m["draftadapt/handover_rows"] = float(len(rollouts))
@@ -285,10 +291,6 @@ class DraftAdaptPPOTrainer(PPOTrainerSync):
                                    "receives the actor's full weights on a CPU (not with LoRA or QAT, nor on a GPU, "
                                    "where verl's own receive path runs): hand over from verl's actor instead")
             weights = str(self._da_tap)
-        # no batch size drafts: the adapter trains nothing nobody serves (docs/design.md, "Stepping aside")
-        adapter = self._da_boundary.adapter
-        self._da_boundary.paused = self._da_k is not None and self._da_k.pause_adapter(
-            self._da_engines, adapter.fresh_length(), adapter.cfg.k)
         res = self._da_boundary.after_update(rollouts, sampled_version=version - 1, weights=weights,
                                              version=version, handover=handed)
         self._da_rollouts, self._da_refs = None, []
