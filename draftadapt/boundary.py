@@ -180,7 +180,7 @@ class StepBoundary:
         paused this step (``online_k.pause_adapter``: ``engine``'s drafter idles and even a fresh
         draft would not pay; no ``online_k``: never), and what the trainer's hand-over keeps. None:
         every rollout (not paused). Paused, on a step the watch affords (:class:`PausedWatch`,
-        ``online_k.cfg.watch_share``): the held-out rollouts its simulated acceptance scores
+        ``online_k.watch_share``): the held-out rollouts its simulated acceptance scores
         (``DraftAdapter.heldout_subset``); on the others nothing, and :attr:`hands_over` is False:
         make no hand-over, and :meth:`after_update` only moves the adapter's policy on."""
         a = self.adapter
@@ -192,7 +192,7 @@ class StepBoundary:
             self.watching = True
             return None
         if self.watch is None:
-            self.watch = PausedWatch(online_k.cfg.watch_share)
+            self.watch = PausedWatch(online_k.watch_share)
         self.watching = self.watch.due()
         return a.heldout_subset(rollouts, sampled_version) if self.watching else []
 

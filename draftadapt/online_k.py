@@ -125,9 +125,11 @@ class OnlineK:
 
     def __init__(self, model: StepCostModel, max_batch: int, k_max: int, decay: float = 0.5,
                  counts: AcceptanceStats | None = None, margin: float = 0.0, min_reach: float = 0.25,
-                 prior_drafts: int = 64, step_aside: bool = False, rl_batch: int | None = None):
+                 prior_drafts: int = 64, step_aside: bool = False, rl_batch: int | None = None,
+                 watch_share: float = 0.005):
         self.model = model
         self.step_aside = step_aside
+        self.watch_share = watch_share  # the paused adapter's watch, a share of the run (StepBoundary.plan)
         # the sequences an RL generation starts with (None: not known); see choose()
         self.rl_batch = rl_batch
         self.min_reach = min_reach
@@ -348,7 +350,7 @@ class OnlineK:
                 points = first + rest
             plan.points = points
             online = cls(fit_step_costs(points), engine.max_num_seqs, k_max, cfg.decay, counts, cfg.margin,
-                         cfg.min_reach, cfg.prior_drafts, cfg.step_aside, rl_batch)
+                         cfg.min_reach, cfg.prior_drafts, cfg.step_aside, rl_batch, cfg.watch_share)
             online.pending = plan if plan.left else None
             engine.set_k_schedule(online.choose())
             done = True

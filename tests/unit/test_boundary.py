@@ -98,7 +98,7 @@ class PauseK:
     """Online k's side of the plan: pause_adapter answers as told."""
 
     def __init__(self, share: float):
-        self.cfg = SimpleNamespace(watch_share=share)
+        self.watch_share = share
         self.pause = True
 
     def pause_adapter(self, engine, fresh_length, k):
@@ -109,7 +109,7 @@ def test_a_paused_adapter_watches_on_the_steps_its_share_affords_and_only_follow
     calls: list[str] = []
     engine, adapter = Recorder(calls, "engine0"), PlannedAdapter(calls, "adapter")
     b, k, clock = StepBoundary(adapter, engine), PauseK(share=0.01), Clock()
-    b.watch = PausedWatch(k.cfg.watch_share, clock=clock)
+    b.watch = PausedWatch(k.watch_share, clock=clock)
     watch = SimpleNamespace(seconds=0.5)  # the hand-over's seconds inside the trainer's forward
 
     # the pause's first step watches: the held-out share handed over, observed, simulated
