@@ -70,11 +70,11 @@ def test_verl_grpo_with_the_draft_adapted(toy_target, tmp_path):
 
 def test_verl_online_k_steps_aside(toy_target, tmp_path):
     """Online k in verl's rollout servers: vLLM starts at k_max with a per-batch-size table, the
-    first boundary calibrates on the step's prompts through the server's own generate, and the
-    table it writes into the server's engine core (draftadapt/engine/k_table.py) is what step 2
-    drafts with. A margin no draft can beat stands in for a draft that pays nowhere: the table
-    drafts at no batch size, the drafter idles, step 2 drafts nothing, and the boundary is paused
-    (no round) while the adapter's simulated acceptance keeps watch."""
+    first step's prompts calibrate it through the server's own generate before they generate,
+    and the table it writes into the server's engine core (draftadapt/engine/k_table.py) is what
+    step 1 already drafts with. A margin no draft can beat stands in for a draft that pays
+    nowhere: the table drafts at no batch size, the drafter idles, no step drafts, and the
+    boundary is paused (no round) while the adapter's simulated acceptance keeps watch."""
     draft = init_draft(toy_target, "eagle3", tmp_path / "draft0", seed=0)
     out = tmp_path / "verl"
     proc = subprocess.run(
@@ -87,13 +87,15 @@ def test_verl_online_k_steps_aside(toy_target, tmp_path):
     arm = json.loads((out / "summary.json").read_text())["arms"]["adapted"]
     rows = [json.loads(x)["data"] for x in (out / "adapted" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2
-    # step 1 drafted at the starting table (k=3 everywhere), then the first boundary calibrated
-    assert 1.0 <= arm["acceptance_length_per_step"][0] <= 4.0
-    assert rows[0]["draftadapt/k/calibrate_s"] > 0 and rows[0]["draftadapt/k/max"] == 0.0
+    # calibrated before step 1 generated (its seconds reported from the first boundary on)
+    assert rows[0]["draftadapt/k/calibrate_s"] > 0
+    assert rows[0]["draftadapt/k/max"] == 0.0
     assert rows[0]["draftadapt/k/drafter_idle"] == 1.0 and rows[1]["draftadapt/k/drafter_idle"] == 1.0
-    # step 2 drafted nothing: no verify step in the server's counters, none in verl's metric
-    assert "draftadapt/accept/length" not in rows[1]
-    assert arm["acceptance_length_per_step"][1] == 0.0  # verl's figure where no request drafted
+    # neither step drafted: no verify step in the server's counters, none in verl's metric
+    # (verl's figure is 0 where no request drafted; the starting table drafted k=3 everywhere)
+    for r in rows:
+        assert "draftadapt/accept/length" not in r, r
+    assert arm["acceptance_length_per_step"] == [0.0, 0.0]
     # the adapter trained nothing nobody serves: paused at both boundaries, watching by simulation
     # on the pause's first step and on any later one its share of the run affords
     # (online_k.watch_share): a step that does not watch reads no hand-over and simulates nothing

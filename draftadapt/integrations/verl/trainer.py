@@ -3,12 +3,14 @@
 verl imports this module in each of its processes when ``VERL_USE_EXTERNAL_MODULES`` names it
 (``verl/__init__.py``); it registers the trainer under "draftadapt" and draftadapt's FSDP engine
 in verl's engine registry (:mod:`~draftadapt.integrations.verl.engine`). The trainer is verl's own
-``PPOTrainerSync``; five of its hooks gain draftadapt's part:
+``PPOTrainerSync``; six of its hooks gain draftadapt's part:
 
 - ``prepare_step``: the adapter's round left due by the last boundary starts (a thread of this
   process) just before verl submits the step's prompts, so it trains while verl generates
   (``StepBoundary(background=True)``, the default; ``+draftadapt.background=false``: the round
   runs at the boundary);
+- ``_submit_batch_to_rollout``: with online k, the first step's prompts calibrate the k table
+  on the servers before they generate;
 - ``_compute_old_log_prob``: the adapter's request rides in the batch's ``extra_info``; verl's
   actor keeps the aux states and log-probs of its own log-prob forward for the rows asked for
   and puts them in Ray's object store (the hand-over); the references are taken from every actor
@@ -128,7 +130,8 @@ class DraftAdaptPPOTrainer(PPOTrainerSync):
         self._da_rollouts: list | None = None
         self._da_metrics: dict[str, float] = {}
         self._da_online = self._da_online_k(da)  # an OnlineKConfig, or None (fixed k)
-        self._da_k = None  # the OnlineK, calibrated at the first boundary
+        self._da_k = None  # the OnlineK, calibrated before the first step's generation
+        self._da_k_reported = False  # the calibration's seconds are in the first boundary's metrics
 
     def _da_settings(self) -> dict:
         """``+draftadapt.*`` from verl's config, checked: the draft, the store, and (the draft
@@ -221,6 +224,48 @@ class DraftAdaptPPOTrainer(PPOTrainerSync):
         self._da_boundary.before_generate()
         return super().prepare_step()
 
+    def _submit_batch_to_rollout(self, batch) -> int:
+        # online k: the table is measured on the first step's own prompts before they generate, so
+        # no step drafts at a k nothing measured (at the first boundary, as before, step 1 drafted
+        # k=3 where no k paid: on verl's toy on 2 cores that also parted its replies from a
+        # run without a draft, which an undrafted step would have sampled alike)
+        if self._da_online is not None and self._da_k is None:
+            prompts = self._da_prompt_ids(batch)
+            if prompts:
+                self._da_calibrate(prompts, len(prompts) * int(self.config.actor_rollout_ref.rollout.n))
+        return super()._submit_batch_to_rollout(batch)
+
+    def _da_prompt_ids(self, batch) -> list[list[int]]:
+        """The batch's prompts as token ids, through the tokenizer's chat template with the data
+        config's ``apply_chat_template_kwargs``, as verl's single-turn agent loop renders them
+        (its multi-turn and multimodal paths may differ by a few tokens: the calibration
+        times step costs and first acceptances, which a token or two of prompt does not move)."""
+        from omegaconf import OmegaConf
+
+        if "raw_prompt" not in batch.keys():
+            return []
+        kwargs = OmegaConf.select(self.config, "data.apply_chat_template_kwargs") or {}
+        kwargs = OmegaConf.to_container(kwargs) if OmegaConf.is_config(kwargs) else dict(kwargs)
+        out = []
+        for p in list(batch["raw_prompt"]):
+            text = p if isinstance(p, str) else self.tokenizer.apply_chat_template(
+                [dict(m) for m in p], add_generation_prompt=True, tokenize=False, **kwargs)
+            out.append(self.tokenizer.encode(text, add_special_tokens=False))
+        return out
+
+    def _da_calibrate(self, prompts: list, sequences: int) -> None:
+        """Online k's calibration on ``prompts`` (token ids) through the servers' own generate;
+        ``sequences``: the step's rollouts, spread over the servers."""
+        from draftadapt.online_k import OnlineK, schedule_text
+
+        servers = max(1, len(self._da_engines.fleet.actors))
+        rl_batch = -(-sequences // servers)  # the requests each server starts a step with
+        rollout = self.config.actor_rollout_ref.rollout
+        self._da_k = OnlineK.calibrate(self._da_engines, prompts, self._da_online, float(rollout.temperature),
+                                       int(self.config.get("data", {}).get("seed", 0) or 0), rl_batch=rl_batch)
+        log.warning("draftadapt: online k: step costs measured in %.1f s, k table %s (batch sizes:k)",
+                    self._da_k.calibrate_s, schedule_text(self._da_engines.k_schedule))
+
     def _compute_old_log_prob(self, batch, metrics: dict):
         if self._da_request is None:
             return super()._compute_old_log_prob(batch, metrics)
@@ -306,26 +351,20 @@ class DraftAdaptPPOTrainer(PPOTrainerSync):
         self._da_metrics = m
 
     def _da_step_k(self, acceptance) -> dict[str, float]:
-        """Online k at this boundary: the first one calibrates on the step's own prompts (its
-        time is in this step's ``draftadapt/boundary_s``), every later one re-chooses the table
-        from the step's counters."""
-        from draftadapt.online_k import OnlineK, schedule_text
-
+        """Online k at this boundary: the table re-chosen from the step's counters (the first
+        boundary also reports the calibration's seconds, spent before the step's generation and
+        outside ``draftadapt/boundary_s``; where nothing calibrated then, it calibrates here on the
+        step's own prompts)."""
         out: dict[str, float] = {}
-        if self._da_k is None:
+        if self._da_k is None:  # nothing calibrated before this step generated (no raw prompts)
             if not self._da_rollouts:
                 return out
-            prompts = [p for p, _ in self._da_rollouts]
-            servers = max(1, len(self._da_engines.fleet.actors))
-            rl_batch = -(-len(prompts) // servers)  # the requests each server starts a step with
-            rollout = self.config.actor_rollout_ref.rollout
-            self._da_k = OnlineK.calibrate(self._da_engines, prompts, self._da_online, float(rollout.temperature),
-                                           int(self.config.get("data", {}).get("seed", 0) or 0), rl_batch=rl_batch)
-            log.warning("draftadapt: online k: step costs measured in %.1f s, k table %s (batch sizes:k)",
-                        self._da_k.calibrate_s, schedule_text(self._da_engines.k_schedule))
-            out["k/calibrate_s"] = self._da_k.calibrate_s
+            self._da_calibrate([p for p, _ in self._da_rollouts], len(self._da_rollouts))
         elif acceptance is not None:
             out.update(self._da_k.update(self._da_engines, acceptance))
+        if not self._da_k_reported:
+            out["k/calibrate_s"] = self._da_k.calibrate_s
+            self._da_k_reported = True
         out["k/drafter_idle"] = float(self._da_engines.drafter_idle)
         out["k/max"] = float(max(k for _, _, k in self._da_engines.k_schedule))
         return {f"draftadapt/{k}": float(v) for k, v in out.items()}
