@@ -205,8 +205,13 @@ def verl_overrides(cfg: VerlToyConfig, paths: dict[str, Path], out: Path, arm: P
         # and pinned memory needs an accelerator ("Cannot access accelerator device")
         "actor_rollout_ref.actor.use_kl_loss=False",
         # float32 throughout, as the demo's own GRPO (bf16 autocast is emulated, and slow, on a
-        # CPU without AVX-512 BF16)
+        # CPU without AVX-512 BF16; and at the toy's width bf16 does not pay even where the CPU
+        # has it, draftadapt/precision.py). The actor's FSDP wrap takes its own dtypes: without
+        # mixed_precision verl 0.9.1 casts parameters to bf16 and autocasts in bf16 whatever
+        # fsdp_config.dtype says (FSDPEngine._build_fsdp_module). On an AVX2-only AMD EPYC that
+        # made the toy's update_actor 175 s a step and its log-prob pass 48 s
         "actor_rollout_ref.actor.fsdp_config.dtype=float32",
+        "+actor_rollout_ref.actor.fsdp_config.mixed_precision={param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}",
         "actor_rollout_ref.rollout.name=vllm", f"actor_rollout_ref.rollout.n={cfg.group_size}",
         "actor_rollout_ref.rollout.dtype=float32",
         "actor_rollout_ref.rollout.tensor_model_parallel_size=1", "actor_rollout_ref.rollout.enforce_eager=True",

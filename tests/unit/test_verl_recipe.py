@@ -61,6 +61,11 @@ def test_only_the_speculating_arms_serve_a_draft(recipe, tmp_path):
         assert "trainer.n_gpus_per_node=2" in over and "+ray_kwargs.ray_init.num_gpus=2" in over
         # one FSDP rank per replica: each rank's micro-batch is its share of the step's 64 x 4
         assert "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=128" in over
+        # every arm's actor trains and forwards in float32: verl's FSDP wrap would otherwise cast
+        # to bf16 and autocast (175 s a toy update on a CPU without bf16, 7x the float32 one)
+        [mp] = [o for o in over if ".actor.fsdp_config.mixed_precision=" in o]
+        fields = dict(kv.split(":") for kv in mp.split("=", 1)[1].strip("{}").split(","))
+        assert fields == {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}, mp
 
 
 def test_the_adapted_arm_starts_vllm_with_a_k_table_for_online_k(recipe, tmp_path):
