@@ -293,6 +293,39 @@ def test_a_calibration_stops_early_where_no_k_can_pay_and_finishes_when_a_draft_
     assert k_at(engine.k_schedule, 32) > 0
 
 
+class SlowSpellEngine(CostedEngine):
+    """A CostedEngine on a machine that runs at half speed for a spell of consecutive decode
+    generations (calls ``spell`` of them, counted from 0; the one-token calls are not counted)."""
+
+    def __init__(self, rates, spell: range):
+        super().__init__(rates)
+        self.spell, self.decodes = spell, []  # (k, batch size) of every decode generation
+
+    def generate(self, prompts, temperature, max_tokens, seed):
+        res = super().generate(prompts, temperature, max_tokens, seed)
+        if max_tokens > 1:
+            if len(self.decodes) in self.spell:
+                res.seconds *= 2
+                res.tokens_per_s /= 2
+            self.decodes.append(self.generated[-1])
+        return res
+
+
+def test_a_calibration_measures_in_rounds_so_a_slow_spell_slows_no_cell_twice():
+    cfg = OnlineKConfig(batch_sizes=[8, 32], repeats=2, early_stop=False)
+    cells = [(k, b) for k in range(6) for b in (8, 32)]
+    # four generations at half speed: measured back to back (each cell's repeats in a row) that
+    # was both repeats of k = 1's two cells; in rounds every cell has a repeat outside the spell
+    engine = SlowSpellEngine([0.9, 0.8, 0.7, 0.6, 0.5], spell=range(4, 8))
+    online = OnlineK.calibrate(engine, ["p"] * 4, cfg, rl_batch=32)
+    # k = 0-2, then the longer k: each part in two identical rounds of its cells
+    head, longer = engine.decodes[:12], engine.decodes[12:]
+    assert sorted(head[:6]) == [c for c in cells if c[0] <= 2] and head[:6] == head[6:], head
+    assert sorted(longer[:6]) == [c for c in cells if c[0] > 2] and longer[:6] == longer[6:], longer
+    for k, b in cells:  # the fastest repeat of every cell is the engine's own step cost
+        assert step_cost(online.model, k, b) == pytest.approx(true_cost(k, b), rel=1e-6), (k, b)
+
+
 def test_positions_the_table_stopped_drafting_are_extrapolated_not_kept_stale():
     # a drifted draft measured at every position, then six steps of an improved draft under a
     # table that drafts only 2 tokens: positions 2-4 get no new counts
