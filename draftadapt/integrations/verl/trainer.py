@@ -131,7 +131,6 @@ class DraftAdaptPPOTrainer(PPOTrainerSync):
         self._da_metrics: dict[str, float] = {}
         self._da_online = self._da_online_k(da)  # an OnlineKConfig, or None (fixed k)
         self._da_k = None  # the OnlineK, calibrated before the first step's generation
-        self._da_k_reported = False  # the calibration's seconds are in the first boundary's metrics
 
     def _da_settings(self) -> dict:
         """``+draftadapt.*`` from verl's config, checked: the draft, the store, and (the draft
@@ -351,10 +350,10 @@ class DraftAdaptPPOTrainer(PPOTrainerSync):
         self._da_metrics = m
 
     def _da_step_k(self, acceptance) -> dict[str, float]:
-        """Online k at this boundary: the table re-chosen from the step's counters (the first
-        boundary also reports the calibration's seconds, spent before the step's generation and
-        outside ``draftadapt/boundary_s``; where nothing calibrated then, it calibrates here on the
-        step's own prompts)."""
+        """Online k at this boundary: the table re-chosen from the step's counters, and the
+        calibration's seconds (spent before the first step's generation and outside
+        ``draftadapt/boundary_s``; where nothing calibrated then, the first boundary calibrates
+        here on the step's own prompts)."""
         out: dict[str, float] = {}
         if self._da_k is None:  # nothing calibrated before this step generated (no raw prompts)
             if not self._da_rollouts:
@@ -362,9 +361,7 @@ class DraftAdaptPPOTrainer(PPOTrainerSync):
             self._da_calibrate([p for p, _ in self._da_rollouts], len(self._da_rollouts))
         elif acceptance is not None:
             out.update(self._da_k.update(self._da_engines, acceptance))
-        if not self._da_k_reported:
-            out["k/calibrate_s"] = self._da_k.calibrate_s
-            self._da_k_reported = True
+        out["k/calibrate_s"] = self._da_k.calibrate_s  # all of it so far, as OnlineK.update reports it
         out["k/drafter_idle"] = float(self._da_engines.drafter_idle)
         out["k/max"] = float(max(k for _, _, k in self._da_engines.k_schedule))
         return {f"draftadapt/{k}": float(v) for k, v in out.items()}
