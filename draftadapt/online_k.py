@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -113,6 +114,11 @@ class OnlineKConfig:
             raise ConfigError(f"online_k: 0 < min_reach <= 1 (got {self.min_reach})")
         if not 0 <= self.watch_share <= 1:
             raise ConfigError(f"online_k: 0 <= watch_share <= 1, a share of the run's time (got {self.watch_share})")
+
+
+# a calibration cell's step is the median of its timed decode steps where the engine timed at
+# least this many at the cell's whole batch (_Calibration.measure); fewer fall back to the call's time
+MIN_TIMED_STEPS = 3
 
 
 def schedule_text(schedule: KSchedule) -> str:
@@ -400,7 +406,8 @@ class _Calibration:
     def call_seconds(self, engine, bss: list[int]) -> dict[int, float]:
         """Per batch size, what a generation costs before its first decode step: the call, the
         prefill and the first token (a one-token generation, drafter idle, fastest of
-        ``cfg.repeats``), measured once a size. Left in the step cost it would count once per
+        ``cfg.repeats``), measured once a size, for the cells whose engine timed no steps
+        (:meth:`measure`). Left in the step cost it would count once per
         call in every step, and more per step the fewer steps a call takes: a k that accepts L
         tokens a step takes 1/L of the steps, so a calibration of ``calibrate_tokens`` tokens
         charged drafting more of it than an RL generation of a few hundred tokens pays
@@ -416,20 +423,26 @@ class _Calibration:
         return self.first
 
     def measure(self, engine, cells: list[tuple[int, int]], k_max: int) -> tuple[list[tuple[int, int, float]], AcceptanceStats]:
-        """Step-cost points for the (k, batch size) ``cells`` (the fastest of ``cfg.repeats``
-        each), and the acceptance counts of the generations at the largest k among them (the
-        k_max ones give the rates). A point is the generation's time less its
-        :meth:`call_seconds`, over its decode steps: ``calibrate_tokens - 1`` tokens a sequence
-        at the k's acceptance length a step."""
+        """Step-cost points for the (k, batch size) ``cells``, and the acceptance counts of the
+        generations at the largest k among them (the k_max ones give the rates).
+
+        A point is the engine's own step: the median wall time of the cell's decode steps at its
+        whole batch (``GenerateResult.decode_step_seconds``: no prompt beside them, every sequence
+        still running), the lowest of ``cfg.repeats`` medians. A cell whose engine reports no
+        steps (a fleet, verl's servers) falls back to its fastest generation's time less its
+        :meth:`call_seconds`, over its decode steps (``calibrate_tokens - 1`` tokens a sequence
+        at the k's acceptance length a step). The fallback is a small difference of two timings:
+        on a 2-core AVX2 AMD EPYC a cell moved 25-60% between calibrations that way (session 42),
+        where a median of a dozen steps is not moved by one slow step nor by the call's cost."""
         points, counts = [], AcceptanceStats(k_max)
         cells = sorted(set(cells))
-        first = self.call_seconds(engine, sorted({b for _, b in cells}))
         top = max(k for k, _ in cells)
         best: dict[tuple[int, int], object] = {}
+        stepped: dict[tuple[int, int], float] = {}  # the lowest median decode step, per cell
         with collector_off():
             # in rounds: every cell once a round, so a cell's repeats are a round apart rather than
             # back to back, and a slow spell of the machine slows one repeat of many cells instead
-            # of every repeat of one (the fastest counts). Back to back, one calibration of the toy
+            # of every repeat of one (the lowest counts). Back to back, one calibration of the toy
             # on a 2-core AVX2 AMD EPYC priced k = 3 at 64 sequences at 2.8 plain steps and k = 2
             # at 1.5, where 96-token generations measured 1.7 and 1.65 (session 42); the demo's
             # table then drafted one token at 15-64 sequences, where three made 1.26-1.38x its
@@ -441,9 +454,18 @@ class _Calibration:
                         res = self._generate(engine, b, self.cfg.calibrate_tokens)
                         if k == top and k > 0:
                             counts = counts + res.acceptance
+                        steps = res.decode_step_seconds(b, k)
+                        if len(steps) >= MIN_TIMED_STEPS:
+                            step = statistics.median(steps)
+                            stepped[(k, b)] = min(step, stepped.get((k, b), step))
                         if (k, b) not in best or res.tokens_per_s > best[(k, b)].tokens_per_s:
                             best[(k, b)] = res
+        untimed = sorted({b for (k, b) in best if (k, b) not in stepped})
+        first = self.call_seconds(engine, untimed) if untimed else {}
         for (k, b), res in sorted(best.items()):
+            if (k, b) in stepped:
+                points.append((k, b, stepped[(k, b)]))
+                continue
             length = res.acceptance.length if k else 1.0
             decoded = res.num_tokens - b  # the first token of each sequence came with the prefill
             net = res.seconds - first[b]

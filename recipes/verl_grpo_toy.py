@@ -22,7 +22,9 @@ OUT/summary.json holds each arm's acceptance per step (verl's ``rollout/spec_acc
 the last thirds and their ratio, each arm's mean reply length and its generation and step per
 generated token (the arms' trajectories differ), the step and the per-stage times verl reports (gen, old
 log-prob, update, weight sync, draftadapt's boundary; means of steps 2..N) and, for the adapted
-arm, the adapter's own policy forwards (counted) and each rollout worker's served version.
+arm, the adapter's own policy forwards (counted), each rollout worker's served version, and what
+the generation cost inside the engine cores (``engine_step_s``, timed by their step clocks, and
+its share of verl's generation time: the part a draft can shorten).
 ``--replicas 2`` runs two rollout replicas (and two FSDP ranks: verl colocates one replica per
 actor rank at tp=1), each on logical GPUs of this CPU. Prints one line per step and, at the end,
 one JSON line.
@@ -284,6 +286,12 @@ def summarize(arms: dict[str, list[dict]], steps: int, batch: int | None = None)
             if tokens:
                 arm["gen_ms_per_token"] = 1e3 * sum(gen) / tokens
                 arm["step_ms_per_token"] = 1e3 * sum(steps_s) / tokens
+        engine_s = series(rows, "draftadapt/engine/step_s")
+        if any(x == x for x in engine_s):
+            # what the generation cost inside the engine cores (their step clocks): the part of
+            # verl's generation a draft can shorten; the rest is verl's agent loop and servers
+            arm["engine_step_s"] = mean(engine_s[1:] or engine_s)
+            arm["engine_share_of_gen"] = arm["engine_step_s"] / arm["stage_s"]["gen"]
         if any(x == x for x in series(rows, "draftadapt/k/max")):
             arm["online_k"] = {"k_max_per_step": series(rows, "draftadapt/k/max"),
                                "drafter_idle_per_step": series(rows, "draftadapt/k/drafter_idle"),
@@ -310,6 +318,8 @@ def summarize(arms: dict[str, list[dict]], steps: int, batch: int | None = None)
             out[f"step_per_token_{name}_over_plain"] = arm["step_ms_per_token"] / p["step_ms_per_token"]
     if a and a["adapter_s_per_step"]:
         out["adapter_share_of_step"] = mean(a["adapter_s_per_step"][1:]) / a["mean_step_s"]
+    if a and "engine_share_of_gen" in a:
+        out["adapted_engine_share_of_gen"] = a["engine_share_of_gen"]
     return out
 
 

@@ -18,7 +18,7 @@ import tempfile
 import time
 import weakref
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -66,11 +66,31 @@ class Rollout:
     finish_reason: str | None
 
 
+@dataclass(frozen=True)
+class EngineStep:
+    """One engine step of a generation: timed by the stat logger on draftadapt's own engine's
+    frontend (``RolloutEngine``), or by the engine core's step clock where the frontend is not
+    draftadapt's (verl's servers, ``engine/step_clock.py``)."""
+
+    batch: int  # sequences decoded in the step (those verifying a draft, where any did)
+    drafted: int  # draft tokens verified per sequence (0: no draft token in the step)
+    prefill: bool  # prompt tokens were computed in it (a prefill, or a decode beside one)
+    seconds: float  # wall time from the end of the step before (the call's start, for its first)
+
+
 @dataclass
 class GenerateResult:
     rollouts: list[Rollout]
     acceptance: AcceptanceStats  # the speculative-decoding counters of this call
     seconds: float
+    # the call's engine steps, in order (empty where the engine reports none: a Ray fleet)
+    steps: list[EngineStep] = field(default_factory=list)
+
+    def decode_step_seconds(self, batch: int, drafted: int) -> list[float]:
+        """Wall seconds of each step that decoded ``batch`` sequences at ``drafted`` draft tokens
+        a sequence, no prompt beside them: the step's own cost, with the call, the prefill and the
+        steps where sequences had finished left out."""
+        return [s.seconds for s in self.steps if not s.prefill and s.batch == batch and s.drafted == drafted]
 
     @property
     def num_tokens(self) -> int:
@@ -94,14 +114,35 @@ class _AcceptanceCounter:
     vLLM's Prometheus metrics live in one process-wide registry that every new ``LLM`` clears
     (``unregister_vllm_metrics``), so with two engines in one process (a plain and a speculative
     arm) ``llm.get_metrics()`` stops seeing the first one's counters. This logger is attached to
-    one engine's ``logger_manager`` and counts what that engine's scheduler reports.
+    one engine's ``logger_manager`` and counts what that engine's scheduler reports; during a
+    ``generate`` call it also times each engine step (``EngineStep``).
     """
 
     def __init__(self):
         self.totals = AcceptanceStats()
+        # the engine steps of the generate call under way (begin/end), each timed from the end of
+        # the one before: vLLM's LLMEngine.step records stats once a step, after its outputs are
+        # processed, so the interval is the whole step as a generation pays it
+        self.steps: list[EngineStep] | None = None
+        self._last = 0.0
+
+    def begin(self) -> None:
+        self.steps, self._last = [], time.perf_counter()
+
+    def end(self) -> list[EngineStep]:
+        steps, self.steps = self.steps or [], None
+        return steps
 
     def record(self, scheduler_stats, iteration_stats=None, mm_cache_stats=None, engine_idx=0):
         stats = getattr(scheduler_stats, "spec_decoding_stats", None)
+        if self.steps is not None:
+            now = time.perf_counter()
+            drafts = int(stats.num_drafts) if stats is not None else 0
+            tokens = iteration_stats.num_generation_tokens if iteration_stats is not None else 0
+            prompt = iteration_stats.num_prompt_tokens if iteration_stats is not None else 0
+            self.steps.append(EngineStep(drafts or tokens, round(stats.num_draft_tokens / drafts) if drafts else 0,
+                                         prompt > 0, now - self._last))
+            self._last = now
         if stats is None:
             return
         per = [int(v) for v in stats.num_accepted_tokens_per_pos]
@@ -413,7 +454,11 @@ class RolloutEngine:
         inputs = [p if isinstance(p, str) else TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
         before = self.acceptance_counters()
         t0 = time.perf_counter()
-        outs = self.llm.generate(inputs, params, use_tqdm=progress)
+        self._acceptance_counter.begin()
+        try:
+            outs = self.llm.generate(inputs, params, use_tqdm=progress)
+        finally:
+            steps = self._acceptance_counter.end()
         seconds = time.perf_counter() - t0
         acceptance = self.acceptance_counters() - before
         rollouts = []
@@ -423,7 +468,7 @@ class RolloutEngine:
             if logprobs and c.logprobs is not None:
                 lps = [float(step[tok].logprob) for step, tok in zip(c.logprobs, c.token_ids)]
             rollouts.append(Rollout(list(o.prompt_token_ids), list(c.token_ids), c.text, lps, c.finish_reason))
-        return GenerateResult(rollouts, acceptance, seconds)
+        return GenerateResult(rollouts, acceptance, seconds, steps)
 
     # ------------------------------------------------------------------ draft length
 

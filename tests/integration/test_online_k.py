@@ -72,6 +72,17 @@ def test_the_k_served_follows_the_table_changed_in_place(table_engine, plain_eng
     for r in (res, res1, res0, res0v, res5, resm):
         assert [x.token_ids for x in r.rollouts] == [x.token_ids for x in reference.rollouts]
 
+    # every generation's engine steps are timed (GenerateResult.steps): the prefill first, then
+    # decode steps at the batch running, drafting what the table gives that batch (fewer where a
+    # sequence is within k of its last token), and together nearly the call's whole time
+    for r, k in ((res, 3), (res1, 1), (res0, 0), (res5, 5)):
+        assert r.steps[0].prefill and all(s.seconds > 0 for s in r.steps)
+        decode = [s for s in r.steps if not s.prefill]
+        assert all(s.drafted <= k for s in decode) and len(r.decode_step_seconds(8, k)) >= 3, (k, r.steps)
+        assert 0.5 * r.seconds < sum(s.seconds for s in r.steps) <= r.seconds
+    decode = [s for s in resm.steps if not s.prefill]
+    assert all(s.drafted <= 2 for s in decode if s.batch > 4) and len(resm.decode_step_seconds(8, 2)) >= 3
+
     with pytest.raises(ValueError, match="started without a k schedule"):
         plain_engine.set_k_schedule([(1, 64, 1)])
     with pytest.raises(ValueError, match="start at 1"):

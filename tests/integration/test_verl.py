@@ -53,6 +53,10 @@ def test_verl_grpo_with_the_draft_adapted(toy_target, tmp_path):
         assert r["draftadapt/adapter_policy_forwards"] == 0.0
         # every worker of both replicas answered, all on one version
         assert r["draftadapt/served_workers"] == 2.0 and r["draftadapt/version_skew"] == 0.0
+        # the step's generation inside each engine core (draftadapt/engine/step_clock.py): some
+        # of verl's generation time, drafting at k=3
+        assert 0 < r["draftadapt/engine/step_s"] <= r["timing_s/gen"] and r["draftadapt/engine/steps"] >= 1
+        assert r["draftadapt/engine/drafting_share"] > 0
     assert arm["adapter_policy_forwards"] == 0 and arm["served_workers"] == 2 and arm["max_version_skew"] == 0
     # step 1 swaps the store's first version (the starting draft) into every worker; step 1's
     # rollouts train beside step 2's generation, and that round's publish is collected and swapped
@@ -95,6 +99,9 @@ def test_verl_online_k_steps_aside(toy_target, tmp_path):
     # (verl's figure is 0 where no request drafted; the starting table drafted k=3 everywhere)
     for r in rows:
         assert "draftadapt/accept/length" not in r, r
+        # nor did any step inside the engine core (its step clock), though the engine stepped
+        assert r["draftadapt/engine/drafting_share"] == 0.0 and r["draftadapt/engine/steps"] >= 1
+        assert 0 < r["draftadapt/engine/step_s"] <= r["timing_s/gen"]
     assert arm["acceptance_length_per_step"] == [0.0, 0.0]
     # the adapter trained nothing nobody serves: paused at both boundaries, watching by simulation
     # on the pause's first step and on any later one its share of the run affords

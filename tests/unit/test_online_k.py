@@ -246,7 +246,7 @@ class CostedEngine(RecordingEngine):
         length = 1 + sum(self.rates[:k])
         seconds = prefill_cost(b) + (max_tokens - 1) / length * true_cost(k, b)
         return SimpleNamespace(tokens_per_s=b * max_tokens / seconds, seconds=seconds, num_tokens=b * max_tokens,
-                               acceptance=acc)
+                               acceptance=acc, decode_step_seconds=lambda batch, drafted: [])
 
     @property
     def drafter_idle(self):
@@ -324,6 +324,50 @@ def test_a_calibration_measures_in_rounds_so_a_slow_spell_slows_no_cell_twice():
     assert sorted(longer[:6]) == [c for c in cells if c[0] > 2] and longer[:6] == longer[6:], longer
     for k, b in cells:  # the fastest repeat of every cell is the engine's own step cost
         assert step_cost(online.model, k, b) == pytest.approx(true_cost(k, b), rel=1e-6), (k, b)
+
+
+class StepTimedEngine(CostedEngine):
+    """A CostedEngine whose generations report their engine steps, on a machine whose calls cost
+    a different, larger amount each time (the call, the prefill: 1x to 6x ``prefill_cost``) and
+    where one decode step of every call runs 10x slow."""
+
+    def __init__(self, rates):
+        super().__init__(rates)
+        self.calls = 0
+
+    def generate(self, prompts, temperature, max_tokens, seed):
+        res = super().generate(prompts, temperature, max_tokens, seed)
+        k, b = self.generated[-1]
+        self.calls += 1
+        n = max(1, round((max_tokens - 1) / (1 + sum(self.rates[:k]))))  # decode steps
+        steps = [true_cost(k, b) * (10 if i == self.calls % n else 1) for i in range(n)]
+        res.seconds = prefill_cost(b) * (1 + 5 * (self.calls * 7 % 11) / 10) + sum(steps)
+        res.tokens_per_s = res.num_tokens / res.seconds
+        res.decode_step_seconds = lambda batch, drafted: steps if (batch, drafted) == (b, k) else []
+        return res
+
+
+def test_a_calibration_prices_the_engine_s_own_steps_whatever_the_call_and_a_slow_step_cost():
+    cfg = OnlineKConfig(batch_sizes=[1, 8, 32], repeats=2, early_stop=False)
+    rates = [0.9, 0.8, 0.7, 0.6, 0.5]
+    engine = StepTimedEngine(rates)
+    online = OnlineK.calibrate(engine, ["p"] * 4, cfg, rl_batch=32)
+    for k in range(6):  # the median step: neither the call's cost nor the slow step moves it
+        for b in (1, 8, 32):
+            assert step_cost(online.model, k, b) == pytest.approx(true_cost(k, b), rel=1e-6), (k, b)
+    # the call's cost is not measured: no one-token generations
+    assert len(engine.generated) == 6 * 3 * 2
+    # the same calls without their steps: the fallback, the call less a one-token call, is off
+    # the true cost by more than 10% on some cell here (what the steps are for)
+    blind = StepTimedEngine(rates)
+    timed = blind.generate
+    def untimed(*a, **kw):
+        res = timed(*a, **kw)
+        res.decode_step_seconds = lambda batch, drafted: []
+        return res
+    blind.generate = untimed
+    fallback = OnlineK.calibrate(blind, ["p"] * 4, cfg, rl_batch=32)
+    assert max(abs(step_cost(fallback.model, k, b) / true_cost(k, b) - 1) for k in range(6) for b in (1, 8, 32)) > 0.10
 
 
 def test_positions_the_table_stopped_drafting_are_extrapolated_not_kept_stale():

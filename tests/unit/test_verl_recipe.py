@@ -36,7 +36,7 @@ def _rows(step_s, gen_s, accept=None, extra=None):
 def test_the_summary_compares_the_three_arms_over_steps_two_on(recipe):
     da = {i: {"draftadapt/boundary_s": 0.5, "draftadapt/adapter_policy_forwards": 0.0,
               "draftadapt/served_workers": 2.0, "draftadapt/version_skew": float(i == 1),
-              "draftadapt/handover_rows": 32.0} for i in range(3)}
+              "draftadapt/handover_rows": 32.0, "draftadapt/engine/step_s": [50.0, 1.0, 3.0][i]} for i in range(3)}
     arms = {"adapted": _rows([99, 10, 12], [90, 4, 6], [2.0, 3.0, 3.3], da),
             "frozen": _rows([99, 11, 13], [90, 5, 7], [2.0, 2.5, 2.2]),
             "plain": _rows([99, 14, 16], [90, 8, 10])}
@@ -49,6 +49,8 @@ def test_the_summary_compares_the_three_arms_over_steps_two_on(recipe):
     assert s["last_third_adapted_over_frozen"] == 3.3 / 2.2
     assert a["adapter_policy_forwards"] == 0 and a["served_workers"] == 2 and a["max_version_skew"] == 1
     assert "adapter_policy_forwards" not in f
+    # the engine cores' share of the adapted arm's generation (steps 2 on): 2 s of 5
+    assert a["engine_step_s"] == 2.0 and s["adapted_engine_share_of_gen"] == 0.4 and "engine_step_s" not in f
 
 
 def test_only_the_speculating_arms_serve_a_draft(recipe, tmp_path):

@@ -115,6 +115,15 @@ def server_k_table(server, schedule, idle_drafter: bool) -> list[dict]:
     return _utility(server, k_table.CORE_METHOD, schedule, idle_drafter, False)
 
 
+def server_engine_steps(server) -> list[list]:
+    """Every engine's steps, timed in its engine core since the last call (its first call starts
+    the clock): one list of ``[batch, drafted, prefill, seconds]`` per engine
+    (draftadapt/engine/step_clock.py)."""
+    from draftadapt.engine import step_clock
+
+    return _utility(server, step_clock.CORE_METHOD)
+
+
 # ---------------------------------------------------------------------- in the trainer
 
 
@@ -141,6 +150,7 @@ class VerlServer:
         self.tap_policy = _OnServer(server, server_tap_policy)
         self.spec_counters = _OnServer(server, server_spec_counters)
         self.k_table = _OnServer(server, server_k_table)
+        self.engine_steps = _OnServer(server, server_engine_steps)
 
 
 def counters_to_acceptance(tallies: list[dict], k: int | None = None) -> tuple[AcceptanceStats | None, dict[str, float]]:
@@ -166,6 +176,24 @@ def counters_to_acceptance(tallies: list[dict], k: int | None = None) -> tuple[A
     n = max(len(per), len(drafted), k or 0)
     pad = lambda v: list(v) + [0] * (n - len(v))  # noqa: E731
     return AcceptanceStats(n, int(total["verify_steps"]), pad(per), int(total["drafts"]), pad(drafted)), metrics
+
+
+def engine_step_metrics(per_engine: list[list]) -> dict[str, float]:
+    """What a step's generation cost inside the engines, from their step clocks (one list of
+    ``[batch, drafted, prefill, seconds]`` per engine, ``server_engine_steps``), per engine on
+    average: the seconds its engine core spent stepping (``engine/step_s``; against verl's
+    ``timing_s/gen`` the rest is verl's agent loop, the servers' frontends and the transfers,
+    none of which a draft shortens), of them in steps with prompt tokens (``engine/prefill_s``),
+    its steps, and the share of them that verified a draft."""
+    if not per_engine:
+        return {}
+    n = len(per_engine)
+    steps = [s for engine in per_engine for s in engine]
+    out = {"engine/step_s": sum(s[3] for s in steps) / n, "engine/prefill_s": sum(s[3] for s in steps if s[2]) / n,
+           "engine/steps": len(steps) / n}
+    if steps:
+        out["engine/drafting_share"] = sum(1 for s in steps if s[1] > 0) / len(steps)
+    return out
 
 
 def _servers(replicas) -> list:
@@ -278,11 +306,12 @@ class VerlEngines:
 
         import ray
 
-        from draftadapt.engine.rollout import GenerateResult, Rollout
+        from draftadapt.engine.rollout import EngineStep, GenerateResult, Rollout
 
         actor = self.fleet.actors[0]
         server = actor.handle
         ray.get(actor.spec_counters.remote())  # what finished before is not these requests'
+        ray.get(actor.engine_steps.remote())  # nor the steps before (the first call starts the clock)
         t0 = time.perf_counter()
         refs = [server.generate.remote(prompt_ids=list(p), request_id=f"draftadapt-k-{uuid.uuid4().hex}",
                                        sampling_params={"temperature": float(temperature), "max_tokens": int(max_tokens),
@@ -291,8 +320,18 @@ class VerlEngines:
         outs = ray.get(refs)
         seconds = time.perf_counter() - t0
         acceptance, _ = counters_to_acceptance([ray.get(actor.spec_counters.remote())], k=self.k)
+        per_engine = ray.get(actor.engine_steps.remote())
+        # the first engine's steps: the calibration's requests all went to it (tp = 1 on this server)
+        steps = [EngineStep(int(b), int(d), bool(p), float(s)) for b, d, p, s in (per_engine[0] if per_engine else [])]
         rollouts = [Rollout(list(p), list(o.token_ids), "", None, o.stop_reason) for p, o in zip(prompts, outs)]
-        return GenerateResult(rollouts, acceptance if acceptance is not None else AcceptanceStats(self.k), seconds)
+        return GenerateResult(rollouts, acceptance if acceptance is not None else AcceptanceStats(self.k), seconds, steps)
+
+    def engine_steps(self) -> list[list]:
+        """Every server's engines' steps since the last call, timed in their engine cores
+        (``[batch, drafted, prefill, seconds]`` each; the first call starts the clocks)."""
+        import ray
+
+        return [steps for per in ray.get([a.engine_steps.remote() for a in self.fleet.actors]) for steps in per]
 
     def tap_policy(self, path: Path) -> None:
         """The fallback: replica 0's first worker writes each policy verl's sync brings to ``path``."""

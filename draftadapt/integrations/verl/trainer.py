@@ -232,6 +232,9 @@ class DraftAdaptPPOTrainer(PPOTrainerSync):
             prompts = self._da_prompt_ids(batch)
             if prompts:
                 self._da_calibrate(prompts, len(prompts) * int(self.config.actor_rollout_ref.rollout.n))
+        # the engines' step clocks from here: the boundary reads what this step's generation cost
+        # inside the engines (the first call starts them; a calibration's steps are not the step's)
+        self._da_engines.engine_steps()
         return super()._submit_batch_to_rollout(batch)
 
     def _da_prompt_ids(self, batch) -> list[list[int]]:
@@ -304,7 +307,10 @@ class DraftAdaptPPOTrainer(PPOTrainerSync):
                              f"than draftadapt's (VERL_ENGINE_VENDOR={VENDOR})")
         super().on_step_end()  # verl's weight sync: the new policy into every replica
         t0 = time.perf_counter()
+        from draftadapt.integrations.verl.rollout import engine_step_metrics
+
         acceptance, m = self._da_engines.take_acceptance()  # this step's generation, every server
+        m.update(engine_step_metrics(self._da_engines.engine_steps()))
         m = {f"draftadapt/{k}": v for k, v in m.items()}
         if self._da_online is not None:
             m.update(self._da_step_k(acceptance))
