@@ -55,6 +55,19 @@ def plugin_wanted(disable_env: str, versions: tuple[str, ...], cpu_only: bool) -
     return vllm.__version__.startswith(versions) and (not cpu_only or current_platform.is_cpu())
 
 
+def add_core_method(name: str, method, disable_env: str, versions: tuple[str, ...]) -> None:
+    """Give vLLM's ``EngineCore`` ``method`` as ``name`` (once; plugins load more than once a
+    process) where the patch applies (:func:`plugin_wanted`, any device): what the engine-core
+    plugins (``k_table``, ``step_clock``) register, so that vLLM's utility calls reach them in
+    an engine-core process of its own."""
+    if not plugin_wanted(disable_env, versions, cpu_only=False):
+        return
+    from vllm.v1.engine.core import EngineCore
+
+    if getattr(EngineCore, name, None) is not method:
+        setattr(EngineCore, name, method)
+
+
 def needed() -> bool:
     return plugin_wanted(DISABLE_ENV, PATCHED_VERSIONS, cpu_only=True)
 

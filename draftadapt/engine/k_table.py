@@ -83,9 +83,6 @@ def needed() -> bool:
 
 def register() -> None:
     """The ``vllm.general_plugins`` entry point (loaded in every vLLM process, more than once)."""
-    if not needed():
-        return
-    from vllm.v1.engine.core import EngineCore
+    from draftadapt.engine.cpu_fix import add_core_method
 
-    if getattr(EngineCore, CORE_METHOD, None) is not _core_method:
-        setattr(EngineCore, CORE_METHOD, _core_method)
+    add_core_method(CORE_METHOD, _core_method, DISABLE_ENV, PATCHED_VERSIONS)

@@ -83,17 +83,8 @@ def _core_method(self) -> list[list]:
     return clock.take()
 
 
-def needed() -> bool:
-    from draftadapt.engine.cpu_fix import plugin_wanted
-
-    return plugin_wanted(DISABLE_ENV, PATCHED_VERSIONS, cpu_only=False)
-
-
 def register() -> None:
     """The ``vllm.general_plugins`` entry point (loaded in every vLLM process, more than once)."""
-    if not needed():
-        return
-    from vllm.v1.engine.core import EngineCore
+    from draftadapt.engine.cpu_fix import add_core_method
 
-    if getattr(EngineCore, CORE_METHOD, None) is not _core_method:
-        setattr(EngineCore, CORE_METHOD, _core_method)
+    add_core_method(CORE_METHOD, _core_method, DISABLE_ENV, PATCHED_VERSIONS)
