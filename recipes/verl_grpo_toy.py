@@ -151,6 +151,9 @@ def verl_env(cfg: VerlToyConfig) -> dict[str, str]:
 
 
 def verl_overrides(cfg: VerlToyConfig, paths: dict[str, Path], out: Path, arm: Path) -> list[str]:
+    # verl runs in the arm's directory (run_arm): a path given relative to the caller's (--draft
+    # runs/x/draft0) would not be found there
+    paths = {name: Path(path).resolve() for name, path in paths.items()}
     batch = cfg.prompts_per_step * cfg.group_size
     per_rank = batch // cfg.replicas
     from draftadapt.drafts.serving import serving_for

@@ -68,6 +68,11 @@ def test_only_the_speculating_arms_serve_a_draft(recipe, tmp_path):
         [mp] = [o for o in over if ".actor.fsdp_config.mixed_precision=" in o]
         fields = dict(kv.split(":") for kv in mp.split("=", 1)[1].strip("{}").split(","))
         assert fields == {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}, mp
+    # a draft given relative to the caller's directory reaches verl, which runs in the arm's, whole
+    over = recipe.verl_overrides(recipe.VerlToyConfig(arm="adapted"), {"draft": Path("runs/x/draft0"), "policy":
+                                                                       tmp_path / "policy"}, tmp_path, tmp_path / "a")
+    whole = str(Path("runs/x/draft0").resolve())
+    assert f"+draftadapt.draft={whole}" in over and any(f'"model": "{whole}"' in o for o in over if "speculative_config" in o)
 
 
 def test_the_adapted_arm_starts_vllm_with_a_k_table_for_online_k(recipe, tmp_path):
