@@ -429,7 +429,7 @@ class _Calibration:
         A point is the engine's own step: the median wall time of the cell's decode steps at its
         whole batch (``GenerateResult.decode_step_seconds``: no prompt beside them, every sequence
         still running), the lowest of ``cfg.repeats`` medians. A cell whose engine reports no
-        steps (a fleet, verl's servers) falls back to its fastest generation's time less its
+        steps (a Ray fleet) falls back to its fastest generation's time less its
         :meth:`call_seconds`, over its decode steps (``calibrate_tokens - 1`` tokens a sequence
         at the k's acceptance length a step). The fallback is a small difference of two timings:
         on a 2-core AVX2 AMD EPYC a cell moved 25-60% between calibrations that way (session 42),
