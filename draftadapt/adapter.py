@@ -251,17 +251,18 @@ class DriftTrigger:
         self.steps_since_train = 0
         self.reference: float | None = None  # acceptance a fall is measured from
         self.measured: float | None = None  # the engine's latest measurement of the live draft
+        self.positions: int | None = None  # the draft positions it counts (None: not said)
         self.chasing = False  # the last round gained chase_gain or more: the next is due a step later
 
     def observed(self) -> None:
         self.steps_since_train += 1
 
-    def report(self, acceptance_length: float) -> None:
-        first = self.measured is None
-        self.measured = float(acceptance_length)
+    def report(self, acceptance_length: float, positions: int | None = None) -> None:
+        # measured and simulated lengths are not comparable: the engine's first measurement
+        # replaces a reference simulated before it; nor are lengths over different positions
+        first = self.measured is None or positions != self.positions
+        self.measured, self.positions = float(acceptance_length), positions
         if self.reference is None or first:
-            # measured and simulated lengths are not comparable: the engine's first measurement
-            # replaces a reference simulated before it
             self.reference = self.measured
         else:
             # a fall is measured from the best the engine saw since the last round
@@ -574,14 +575,18 @@ class DraftAdapter:
         """Drop the rollouts observed with ``source`` (e.g. a shard that made a round fail)."""
         return self.replay.remove(lambda it: it.source is not None and it.source.rsplit("#", 1)[0] == source)
 
-    def report_measured(self, acceptance_length: float, first_rate: float | None = None) -> None:
+    def report_measured(self, acceptance_length: float, first_rate: float | None = None,
+                        positions: int | None = None) -> None:
         """The acceptance length the engine measured for the live draft (feeds the drift trigger)
         and, when given, the share of first draft tokens it accepted (the lost-draft check,
-        :meth:`_lost_draft`, at the next round call).
+        :meth:`_lost_draft`, at the next round call). ``positions``: the draft positions the
+        length counts (``AcceptanceStats.length_at``, what the step boundary reports: the length
+        at this adapter's k); a measurement over other positions than the last replaces the
+        reference instead of being compared with it.
 
         A round is due when a measurement falls drift_fraction below the reference: the last
         measurement before the latest round, or a higher one since."""
-        self.trigger.report(acceptance_length)
+        self.trigger.report(acceptance_length, positions)
         if first_rate is not None and math.isfinite(first_rate):
             self._measured_first = (float(first_rate), self._engine_version)
 

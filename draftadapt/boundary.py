@@ -207,8 +207,11 @@ class StepBoundary:
         if self.adapter is None or not acceptance.drafts:
             return {}
         first = acceptance.reached_rates[0] if acceptance.accepted_per_pos else None
-        self.adapter.report_measured(acceptance.length, first)
-        return {"accept/rl_batch_length": acceptance.length}
+        # the drift trigger reads the draft at the adapter's k: the raw length mixes the lengths
+        # a per-batch-size k table drafted, and moved 20% a step with the table alone
+        at_k, positions = acceptance.length_at(self.adapter.cfg.k)
+        self.adapter.report_measured(at_k, first, positions)
+        return {"accept/rl_batch_length": acceptance.length, "accept/rl_batch_length_at_k": at_k}
 
     def before_generate(self) -> None:
         """background: start the round the last boundary left due, beside this generation."""

@@ -552,8 +552,9 @@ class RemoteAdapter:
         _ray().get(self.actor.update_policy.remote(_put_once(weights) if isinstance(weights, dict) else weights,
                                                    version))
 
-    def report_measured(self, acceptance_length: float, first_rate: float | None = None) -> None:
-        self._call("report_measured", acceptance_length, first_rate)
+    def report_measured(self, acceptance_length: float, first_rate: float | None = None,
+                        positions: int | None = None) -> None:
+        self._call("report_measured", acceptance_length, first_rate, positions)
 
     @contextlib.contextmanager
     def not_counted(self):

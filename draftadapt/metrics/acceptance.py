@@ -179,6 +179,18 @@ class AcceptanceStats:
         same as ``per_position`` when every draft had k positions."""
         return [a / d if d else float("nan") for a, d in zip(self.accepted_per_pos, self.drafts_per_position(self.k))]
 
+    def length_at(self, k: int) -> tuple[float, int]:
+        """(the acceptance length a ``k``-token draft would have had, the positions it counts),
+        from :attr:`reached_rates`: 1 + the rates of the first ``k`` positions that some draft
+        reached. Unlike :attr:`length` it does not move with the mix of draft lengths: under a
+        per-batch-size k table the RL batch's raw length rose and fell by 20% from one step to
+        the next as the table's k changed while the draft's rates held (toy, seed 57). Fewer
+        positions than ``k`` where no draft reached the rest (a table whose k stays below it)."""
+        rates = self.reached_rates[:k]
+        depth = next((i for i, (r, d) in enumerate(zip(rates, self.drafts_per_position(self.k))) if not d > 0),
+                     len(rates))
+        return 1.0 + float(sum(rates[:depth])), depth
+
     # The engine's names for the same two rates, kept for callers written against them.
     acceptance_length = length
     per_position_rate = per_position

@@ -8,11 +8,15 @@ from types import SimpleNamespace
 
 import math
 
+import pytest
+
 from draftadapt.boundary import LocalEngines, PausedWatch, StepBoundary, as_engine_set
 from draftadapt.metrics.acceptance import AcceptanceStats
 
 
 class Recorder:
+    cfg = SimpleNamespace(k=3)  # the adapter's k: StepBoundary.report reads the RL batch at it
+
     def __init__(self, calls: list, name: str):
         self.calls, self.name = calls, name
 
@@ -86,8 +90,6 @@ class Clock:
 
 class PlannedAdapter(Recorder):
     """A recorder with what StepBoundary.plan reads: the adapter's k and its held-out rollouts."""
-
-    cfg = SimpleNamespace(k=3)
 
     def heldout_subset(self, rollouts, version):
         self.calls.append("adapter.heldout_subset")
@@ -172,8 +174,8 @@ def test_asynchronous_split_and_no_adapter():
     calls, engines, adapter = engines_and_adapter()
     b = StepBoundary(adapter, engines[0])
     measured = AcceptanceStats(k=3, drafts=10, accepted_per_pos=[5, 2, 1])
-    assert b.beside_generation(measured, ["r"], sampled_version=0, weights={}, version=1) == {
-        "accept/rl_batch_length": 1.8, "adapt/published": 1.0}
+    assert b.beside_generation(measured, ["r"], sampled_version=0, weights={}, version=1) == pytest.approx({
+        "accept/rl_batch_length": 1.8, "accept/rl_batch_length_at_k": 1.8, "adapt/published": 1.0})
     res = b.after_generation({}, 1)
     assert calls == ["adapter.report_measured", "adapter.observe", "adapter.update_policy", "adapter.run_round",
                      "engine0.update_policy", "adapter.check_integrity", "adapter.swap"]

@@ -2,7 +2,11 @@
 
 import time
 
+import pytest
+
 from draftadapt.adapter import CostMeter, DriftTrigger, ScheduleConfig
+from draftadapt.boundary import StepBoundary
+from draftadapt.metrics.acceptance import AcceptanceStats
 
 
 def test_without_an_engine_the_first_simulated_score_is_the_reference():
@@ -85,6 +89,68 @@ def test_a_new_draft_measured_below_the_old_one_triggers_at_once():
     assert trig.reference == 3.20
     trig.report(3.08)  # -3.75% from it
     assert trig.due(10, never) == (True, "drift")
+
+
+def table_batch(rates: list[float], k_of_drafts: dict[int, int]) -> AcceptanceStats:
+    """The engine's counts for one RL batch under a per-batch-size k table: ``k_of_drafts``
+    {draft length: drafts of it}, every draft accepting position i with the reached rate
+    ``rates[i]`` (exact expected counts), at k_max = len(rates)."""
+    k = len(rates)
+    accepted = [sum(n * rates[i] for kk, n in k_of_drafts.items() if kk > i) for i in range(k)]
+    drafted = [sum(n for kk, n in k_of_drafts.items() if kk > i) for i in range(k)]
+    return AcceptanceStats(k, sum(k_of_drafts.values()), accepted, drafted_per_pos=drafted)
+
+
+def test_the_length_at_k_does_not_move_with_the_tables_mix_of_draft_lengths():
+    rates = [0.9, 0.8, 0.7, 0.6, 0.5]
+    short, long = table_batch(rates, {3: 900, 5: 100}), table_batch(rates, {3: 100, 5: 900})
+    assert long.length / short.length > 1.2  # the raw length: a fifth apart for the same draft
+    for s in (short, long):
+        assert s.length_at(3) == (pytest.approx(1 + 0.9 + 0.8 + 0.7), 3)
+        assert s.length_at(5) == (pytest.approx(1 + sum(rates)), 5)
+    # a table whose k stays below the adapter's: the positions some draft reached
+    assert table_batch(rates, {2: 1000}).length_at(3) == (pytest.approx(2.7), 2)
+    assert AcceptanceStats(3, 100, [80, 60, 50]).length_at(3) == (pytest.approx(2.9), 3)  # one k, no per-position drafts
+    assert AcceptanceStats(3, 100, [80, 60, 50]).length_at(5) == (pytest.approx(2.9), 3)  # deeper than the engine drafts
+
+
+class ReportingAdapter:
+    """What StepBoundary.report touches of an adapter: its k and report_measured."""
+
+    def __init__(self, k: int):
+        self.cfg = type("Cfg", (), {"k": k})()
+        self.trigger = DriftTrigger(ScheduleConfig(every_n_steps=0, drift_fraction=0.03, min_sequences=1))
+
+    def report_measured(self, length, first_rate=None, positions=None):
+        self.trigger.report(length, positions)
+
+
+def test_the_drift_trigger_reads_the_rl_batch_at_the_adapters_k_not_the_tables_mix():
+    """The toy's seed-57 run: the raw RL-batch length went 4.17 -> 3.38 -> 4.00 while the draft's
+    rates held (the table's k flipped), which fired a round at step 3 for nothing, and hid the
+    real fall later. The boundary reports the length at the adapter's k: the flips leave it
+    where it is, a 5% fall of every rate fires."""
+    def never():
+        raise AssertionError("simulated although the engine measured")
+
+    rates = [0.9, 0.8, 0.7, 0.6, 0.5]
+    adapter = ReportingAdapter(k=3)
+    boundary = StepBoundary(adapter, [])
+    raw = ReportingAdapter(k=3)  # fed the raw length, as before
+    for mix in ({3: 100, 5: 900}, {3: 900, 5: 100}, {3: 100, 5: 900}, {3: 900, 5: 100}):
+        batch = table_batch(rates, mix)
+        m = boundary.report(batch)
+        assert m["accept/rl_batch_length_at_k"] == pytest.approx(3.4) and m["accept/rl_batch_length"] == batch.length
+        adapter.trigger.observed()
+        assert adapter.trigger.due(64, never) == (False, "not_due")
+        raw.trigger.report(batch.length)
+    assert raw.trigger.due(64, never) == (True, "drift")  # the false alarm the mix alone raised
+    boundary.report(table_batch([r * 0.95 for r in rates], {3: 100, 5: 900}))
+    assert adapter.trigger.due(64, never) == (True, "drift")
+    # a table that drafts fewer positions than the adapter's k: a new reference, not a fall
+    boundary.report(table_batch(rates, {2: 1000}))
+    assert adapter.trigger.positions == 2 and adapter.trigger.reference == pytest.approx(2.7)
+    assert adapter.trigger.due(64, never) == (False, "not_due")
 
 
 def test_the_cost_meter_defers_a_round_until_the_run_has_earned_it():
