@@ -219,6 +219,34 @@ def test_validation_rejects_a_worse_candidate(world, trained, toy_target):
     assert DraftStore(out).versions() == [live.version]
 
 
+def test_a_round_scores_the_live_draft_once_the_guard_s_score_is_its_own(world, toy_target, monkeypatch):
+    """The guard scores the served draft on the newest held-out share at every round call, and a
+    round holds out that same share: the round takes the guard's score for its live draft rather
+    than scoring it again (the same batches, so the same number to the last bit)."""
+    import draftadapt.adapter as adapter_module
+
+    adapter = DraftAdapter(toy_target, world["draft0"], world["root"] / "score_once", small_cfg())
+    adapter.observe(rollouts(world, seed=11), policy_version=0)
+    assert adapter.run_round()["adapt/published"] == 1.0  # the served draft is no longer the frozen one
+    adapter.observe(rollouts(world, seed=12), policy_version=1)
+    scored = []
+    real = adapter_module.score_draft
+    monkeypatch.setattr(adapter_module, "score_draft", lambda draft, *a, **kw: scored.append(draft) or real(draft, *a, **kw))
+    live = adapter.publisher.live
+    m = adapter.run_round()
+    assert m["adapt/trained"] == 1.0 and "guard/served_simulated" in m, m
+    assert m["accept/simulated_live"] == m["guard/served_simulated"], m
+    assert sum(d is live for d in scored) == 1 and sum(d is adapter._frozen for d in scored) == 1, scored
+    assert len(scored) == 3, scored  # served and frozen (the guard), the candidate (one block)
+    # a round whose held-out share the guard did not score (no guard: the frozen draft serves) scores it itself
+    adapter._serving_frozen = True
+    adapter.observe(rollouts(world, seed=13), policy_version=2)
+    scored.clear()
+    live = adapter.publisher.live
+    m = adapter.run_round()
+    assert "guard/served_simulated" not in m and sum(d is live for d in scored) == 1, m
+
+
 def test_the_guard_goes_back_to_the_frozen_draft_when_the_served_one_falls_below_it(world, trained, toy_target):
     """A published draft worse than the first one (its weights zeroed: it drafts one token
     whatever the context, as a draft left far behind by the policy does) is replaced
