@@ -187,8 +187,7 @@ class AcceptanceStats:
         the next as the table's k changed while the draft's rates held (toy, seed 57). Fewer
         positions than ``k`` where no draft reached the rest (a table whose k stays below it)."""
         rates = self.reached_rates[:k]
-        depth = next((i for i, (r, d) in enumerate(zip(rates, self.drafts_per_position(self.k))) if not d > 0),
-                     len(rates))
+        depth = next((i for i, d in enumerate(self.drafts_per_position(self.k)[:len(rates)]) if not d > 0), len(rates))
         return 1.0 + float(sum(rates[:depth])), depth
 
     # The engine's names for the same two rates, kept for callers written against them.
