@@ -761,10 +761,10 @@ class DraftAdapter:
         keep = self.cfg.validation.guard and not self._serving_frozen
         if measured is None and not keep:
             return {}
-        heldout = self.replay.heldout()
-        if not heldout:
+        newest = self._newest_heldout()
+        if newest is None:
             return {}
-        held = self.targets.batches(heldout, self.cfg.train.batch_size)
+        heldout, held = newest
         served, _ = score_draft(self.live_draft(), held, self.gate.k)
         out = {} if measured is None else self._lost_draft(measured, served.reached_rates[0])
         if keep:
@@ -949,14 +949,14 @@ class DraftAdapter:
         forward); None before any rollout. What a paused adapter (no engine drafts) reports
         instead of training (StepBoundary.paused)."""
         self._wait_round()
-        held = self._newest_heldout()
-        return None if held is None else self.score(self.live_draft(), held)
+        newest = self._newest_heldout()
+        return None if newest is None else self.score(self.live_draft(), newest[1])
 
-    def _newest_heldout(self) -> list[CapturedBatch] | None:
-        """The newest rollouts' held-out share as captured batches (None before any rollout):
-        what the guard and simulate_live score drafts on."""
+    def _newest_heldout(self) -> tuple[list[ReplayItem], list[CapturedBatch]] | None:
+        """The newest rollouts' held-out share and its captured batches (None before any
+        rollout): what the guard and simulate_live score drafts on."""
         heldout = self.replay.heldout()
-        return self.targets.batches(heldout, self.cfg.train.batch_size) if heldout else None
+        return (heldout, self.targets.batches(heldout, self.cfg.train.batch_size)) if heldout else None
 
     def fresh_length(self) -> float | None:
         """The simulated acceptance length at ``cfg.k`` of the newest draft this adapter
