@@ -1,14 +1,15 @@
 """Which float precision pays on this machine: one rule for the adapter's trainer, the demo's
 policy update and the rollout engines (docs/design.md, "Precision").
 
-On a CPU, bf16 pays where the cores multiply bf16 tiles in hardware (AMX) and the matrices are
-wide enough for that to outrun the casts around it. Measured on an Intel Xeon with AMX-BF16
-(2 cores, docs/results.md "bf16 on a CPU that has it"): one Eagle-3 optimizer step in bf16
-autocast took 1.06-1.34x float32's at the toy's width (128), 0.63-0.77x at SmolLM2's (576),
-0.58x at 1b widths (2048); vLLM 0.32 decoding SmolLM2 in bf16 took 0.58-0.85x float32's step at
-1-32 sequences and generated 2.4x the tokens/s at 64 (docs/results.md, "The engine in bf16").
-On an AMD EPYC with avx512_bf16 but no AMX, vLLM served SmolLM2 1.56x faster in float32
-(docs/design.md, "A real model"), so there float32 stays."""
+On a CPU, bf16 pays where the cores multiply bf16 in hardware (AMX tiles, or avx512_bf16's dot
+products) and the matrices are wide enough for that to outrun the casts around it. Measured on an
+Intel Xeon with AMX-BF16 (2 cores, docs/results.md "bf16 on a CPU that has it"): one Eagle-3
+optimizer step in bf16 autocast took 1.06-1.34x float32's at the toy's width (128), 0.63-0.77x at
+SmolLM2's (576), 0.58x at 1b widths (2048); vLLM 0.32 decoding SmolLM2 in bf16 took 0.58-0.85x
+float32's step at 1-32 sequences (docs/results.md, "The engine in bf16"). On an AMD EPYC with
+avx512_bf16 and no AMX (docs/results.md, "bf16 on an EPYC without AMX"): the Eagle-3 step 0.54-0.55x
+at 576 and 0.59x at 2048, the SmolLM2 policy's micro-batch 0.49-0.54x, vLLM's plain SmolLM2 step
+0.63-0.76x at 8-32 sequences and 0.57x at 64, each against float32 on the same machine."""
 
 from __future__ import annotations
 
@@ -21,8 +22,9 @@ PRECISIONS = ("auto", "bf16", "fp32")
 
 
 def cpu_bf16_pays(width: int) -> bool:
-    """bf16 on this CPU for matmuls ``width`` wide: AMX tiles and width >= BF16_CPU_MIN_WIDTH."""
-    return bool(torch.cpu._is_amx_tile_supported()) and width >= BF16_CPU_MIN_WIDTH
+    """bf16 on this CPU for matmuls ``width`` wide: AMX tiles or avx512_bf16, and width >= BF16_CPU_MIN_WIDTH."""
+    hardware = torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
+    return bool(hardware) and width >= BF16_CPU_MIN_WIDTH
 
 
 def engine_dtype(precision: str, target: str | Path) -> str | None:

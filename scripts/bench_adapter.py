@@ -5,7 +5,8 @@ and publish, on whatever device the trainer picks (a CUDA GPU when there is one)
                                     [--slots 1.0,0.25] [--steps 5] [--json]
 
 For each size (Llama-3 widths: 1b = Llama-3.2-1B, 8b = Llama-3.1-8B; a 128k target vocabulary,
-a 32k draft vocabulary as Llama-3 Eagle-3 heads ship; ``toy`` for a CPU smoke run) the head is
+a 32k draft vocabulary as Llama-3 Eagle-3 heads ship; ``smollm2`` for the real-model world's head,
+``toy`` for a CPU smoke run) the head is
 built with random weights and trained by draftadapt's own DraftTrainer on random captured
 batches of ``--seqs`` x ``--seq-len`` tokens (every token a response token: what a long RL
 rollout gives), the default three-step training-time test at each ``--slots`` share. Per row:
@@ -27,6 +28,12 @@ until the rows have landed in host memory (on a GPU the copies run on a side str
 GB/s per rollout, and ``cold_ms_per_seq`` the first add's (pinned buffers allocated). ``--no-train``
 skips the training rows.
 
+``--policy`` times the policy's own update at each precision instead (what `grpo.precision` sets
+in the demo): one micro-batch of ``--seqs`` x ``--seq-len`` through a Llama of the size's widths and
+full depth (random weights), the GRPO forward (draftadapt/rl/grpo.py::token_logprobs) and its
+backward, float32 or under bf16 autocast; ``policy_ms`` the median, ``kl`` the bf16 log-probs'
+mean KL to float32's per token (nats).
+
 round_s is the adapter's round at its defaults (ScheduleConfig.train_steps optimizer steps, two
 held-out batches, one publish's copies). ``--json`` prints {"device": ..., "rows": [...]}.
 """
@@ -46,6 +53,8 @@ import torch
 SIZES = {
     # Eagle-3 head widths for the target: hidden, MLP, heads, kv heads, head dim, target layers
     "toy": dict(hidden=64, inter=128, heads=4, kv=2, head_dim=16, layers=4, vocab=512, draft_vocab=256),
+    # SmolLM2-135M-Instruct (the real-model world), its recipe's 8192-token draft vocabulary
+    "smollm2": dict(hidden=576, inter=1536, heads=9, kv=3, head_dim=64, layers=30, vocab=49152, draft_vocab=8192),
     "1b": dict(hidden=2048, inter=8192, heads=32, kv=8, head_dim=64, layers=16, vocab=128256, draft_vocab=32000),
     "8b": dict(hidden=4096, inter=14336, heads=32, kv=8, head_dim=128, layers=32, vocab=128256, draft_vocab=32000),
 }
@@ -206,6 +215,51 @@ def bench_handover(size: str, seqs: int, seq_len: int, device: str, store: str =
             "host_mb_per_seq": round(host_mb, 3), "host_gb_s": gb_s(add_s), "copied_gb_s": gb_s(copied_s)}
 
 
+def bench_policy(size: str, seqs: int, seq_len: int, precisions: list[str], steps: int, device: str) -> list[dict]:
+    """The policy's micro-batch forward (token log-probs, as the demo's GRPO update takes them) and
+    backward at each precision, on one random model and batch; rows with the median ms and each
+    precision's mean KL to float32's log-probs (the first step's)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from draftadapt.rl.grpo import token_logprobs
+    from draftadapt.train.trainer import auto_precision
+
+    s = SIZES[size]
+    cfg = LlamaConfig(hidden_size=s["hidden"], intermediate_size=s["inter"], num_hidden_layers=s["layers"],
+                      num_attention_heads=s["heads"], num_key_value_heads=s["kv"], head_dim=s["head_dim"],
+                      vocab_size=s["vocab"], max_position_embeddings=max(seq_len, 2048), tie_word_embeddings=True)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg).train()
+    g = torch.Generator(device).manual_seed(0)
+    ids = torch.randint(0, s["vocab"], (seqs, seq_len), generator=g, device=device)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    rows, ref = [], None
+    for precision in precisions:
+        bf16 = precision == "bf16" or precision == "auto" and auto_precision(torch.device(device), model) == "bf16"
+        times = []
+        for i in range(steps + 1):  # the first is a warm-up
+            model.zero_grad(set_to_none=True)
+            _sync()
+            t0 = time.perf_counter()
+            with torch.autocast(device, dtype=torch.bfloat16, enabled=bf16):
+                lp = token_logprobs(model, batch)
+            (-lp.mean()).backward()
+            _sync()
+            if i:
+                times.append(time.perf_counter() - t0)
+            else:
+                first = lp.detach().float()
+        if ref is None and not bf16:
+            ref = first
+        # the k3 estimate of KL(bf16 || fp32) on the sampled tokens' log-probs, per token
+        kl = None if ref is None else float(f"{float((torch.exp(ref - first) - (ref - first) - 1).mean()):.3g}")
+        rows.append({"size": size, "precision": "bf16" if bf16 else "fp32", "seqs": seqs, "seq_len": seq_len,
+                     "layers": s["layers"], "policy_ms": round(statistics.median(times) * 1e3, 1), "kl": kl})
+        print(f"  {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="1b,8b", help=f"comma-separated, of {sorted(SIZES)}")
@@ -217,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=5, help="timed optimizer steps per row (after one warm-up)")
     ap.add_argument("--handover", action="store_true",
                     help="also time HandOver.add on one micro-batch of --seqs x --seq-len (a 3-layer policy of each size)")
+    ap.add_argument("--policy", action="store_true",
+                    help="time the policy's GRPO micro-batch forward + backward at each --precisions (full depth) instead")
     ap.add_argument("--no-train", action="store_true", help="skip the training rows (with --handover: the hand-over alone)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = ap.parse_args(argv)
@@ -235,6 +291,16 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--seqs and --steps must be >= 1 and --seq-len >= 2")
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    if args.policy:
+        dev = "cuda" if torch.cuda.is_available() else "cpu"
+        rows = [r for size in sizes for r in bench_policy(size, args.seqs, args.seq_len, precisions, args.steps, dev)]
+        if args.json:
+            print(json.dumps({"device": device, "policy": rows}))
+        else:
+            for r in rows:
+                print(f"policy {r['size']} ({r['layers']} layers) {r['precision']}: {r['seqs']} x {r['seq_len']} tokens, "
+                      f"forward + backward {r['policy_ms']} ms, KL to float32 {r['kl']} nats a token")
+        return 0
     rows = []
     for size in [] if args.no_train else sizes:
         batch = random_batch(size, args.seqs, args.seq_len, 0, "cuda" if torch.cuda.is_available() else "cpu")

@@ -38,10 +38,11 @@ class GRPOConfig:
     style_bonus: float = 1.0  # added to the reward of a completion in `style`
     micro_batch: int = 32  # sequences per forward/backward in the update (gradients accumulate)
     # The update's forwards and backward: "auto" runs them under bf16 autocast where train.precision's
-    # rule would (CUDA; a CPU with AMX-BF16 and a policy >= 512 wide: SmolLM2, not the toy), float32
-    # master weights and AdamW state either way; "bf16" / "fp32" force one. Measured on a Xeon with
-    # AMX-BF16: a SmolLM2 micro-batch (32 x 150 tokens) 0.62-0.71x the float32 time, its log-probs
-    # 0.0012 nats a token from float32's (docs/results.md, "bf16 on a CPU that has it").
+    # rule would (CUDA; a CPU with AMX-BF16 or avx512_bf16 and a policy >= 512 wide: SmolLM2, not the
+    # toy), float32 master weights and AdamW state either way; "bf16" / "fp32" force one. Measured on
+    # a Xeon with AMX-BF16: a SmolLM2 micro-batch (32 x 150 tokens) 0.62-0.71x the float32 time, its
+    # log-probs 0.0012 nats a token from float32's (docs/results.md, "bf16 on a CPU that has it");
+    # on an EPYC with avx512_bf16, 16 x 150: 0.49-0.54x ("bf16 on an EPYC without AMX").
     precision: str = "auto"
     # Asynchronous loop only (rollouts sampled by an older policy): each response token's
     # gradient is weighted by min(p_policy / p_sampler, off_policy_clip), the sampler's

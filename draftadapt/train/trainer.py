@@ -69,7 +69,7 @@ class TrainConfig:
     seed: int = 0  # the draft wrapper's init, the TTT slot draws, pretrain's batch order and the adapter's replay draws
     threads: int = 0  # torch intra-op threads for training; 0 = leave torch's default
     # "auto": bf16 autocast (float32 master weights and optimizer state, as always) on a CUDA
-    # device, and on a CPU with AMX-BF16 for a draft at least 512 wide (draftadapt/precision.py); plain
+    # device, and on a CPU with AMX-BF16 or avx512_bf16 for a draft at least 512 wide (draftadapt/precision.py); plain
     # float32 elsewhere; "bf16" / "fp32" force one (docs/design.md, "Precision").
     precision: str = "auto"
 
@@ -105,9 +105,8 @@ def draft_width(draft: nn.Module) -> int:
 
 
 def auto_precision(device: torch.device, draft: nn.Module) -> str:
-    """train.precision=auto: bf16 on CUDA; on a CPU, bf16 where it multiplies bf16 tiles in hardware
-    (AMX) and the draft is wide enough to gain from it. A CPU with only avx512_bf16 (AMD EPYC)
-    keeps float32 until its own step is measured (scripts/bench_step_vs_speculators.py)."""
+    """train.precision=auto: bf16 on CUDA; on a CPU, bf16 where it multiplies bf16 in hardware (AMX
+    tiles or avx512_bf16) and the draft is wide enough to gain from it (draftadapt/precision.py)."""
     if device.type == "cuda":
         return "bf16"
     if device.type == "cpu" and cpu_bf16_pays(draft_width(draft)):

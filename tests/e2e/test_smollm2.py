@@ -3,7 +3,7 @@
 that is adapted and swapped into the running vLLM engine, and losslessness on it: greedy tokens
 identical with and without the draft and after a swap, and at temperature 1 the tokens at positions
 2-4 distributed alike with and without speculation (chi-square, >= 3000 samples each), in float32
-and, where the demo serves bf16 (a CPU with AMX-BF16), in bf16 too."""
+and, where the demo serves bf16 (a CPU with AMX-BF16 or avx512_bf16), in bf16 too."""
 
 from __future__ import annotations
 
@@ -67,12 +67,12 @@ def test_two_rl_steps_adapt_and_swap_the_head(smollm2_demo):
     assert adapted[-1] > frozen[-1], (adapted, frozen)
     assert (out / "final_policy" / "chat_template.jinja").is_file() and (out / "acceptance.png").is_file()
     # 576 wide: both the policy's update and the adapter's trainer take bf16 autocast on a CPU with
-    # AMX-BF16 ("auto"), float32 on one without (docs/design.md, "Precision"); the engines serve in
-    # bf16 there too (engine_precision=auto), else in the build's float32
-    amx = torch.cpu._is_amx_tile_supported()
-    want = "bf16" if amx else "fp32"
+    # AMX-BF16 or avx512_bf16 ("auto"), float32 on one with neither (docs/design.md, "Precision");
+    # the engines serve in bf16 there too (engine_precision=auto), else in the build's float32
+    bf16 = torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
+    want = "bf16" if bf16 else "fp32"
     assert summary["precision"] == {"policy_update": want, "adapter": want,
-                                    "engine": "bfloat16" if amx else "float32"}, summary["precision"]
+                                    "engine": "bfloat16" if bf16 else "float32"}, summary["precision"]
 
 
 def _engine(model, draft, dtype="float32"):
@@ -125,7 +125,7 @@ def test_lossless_on_the_real_model(smollm2_model, smollm2_demo):
 
 
 def test_lossless_in_bf16_as_the_demo_serves_it(smollm2_model, smollm2_demo):
-    """engine_precision=auto serves SmolLM2 in bf16 on a CPU with AMX-BF16. There vLLM's own greedy
+    """engine_precision=auto serves SmolLM2 in bf16 on a CPU with AMX-BF16 or avx512_bf16. There vLLM's own greedy
     tokens depend on the batch they are decoded in, draft or none (measured: 29 of 64 held-out
     replies of 64 tokens differ decoded 64 at a time and 16 at a time, no draft; docs/results.md),
     so identical greedy tokens are checked in float32 (the test above) and here the distribution
@@ -185,8 +185,9 @@ def test_the_readme_commands_on_the_real_model(smollm2_model, tmp_path):
     assert ev.returncode == 0, ev.stderr[-3000:]
     e = json.loads(ev.stdout.strip().splitlines()[-1])
     assert e["k"] == 3 and 1.0 <= e["acceptance_length_measured"] <= 4.0
-    # --precision auto: served as the demo serves it (bf16 on a CPU with AMX-BF16)
-    assert e["engine_dtype"] == ("bfloat16" if torch.cpu._is_amx_tile_supported() else "float32")
+    # --precision auto: served as the demo serves it (bf16 on a CPU with AMX-BF16 or avx512_bf16)
+    bf16 = torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
+    assert e["engine_dtype"] == ("bfloat16" if bf16 else "float32")
     # README, "Precision": the same eval with the engines forced to float32
     ev32 = subprocess.run([sys.executable, "-m", "draftadapt.cli", "eval", "--target", str(smollm2_model), "--draft",
                            str(draft), "--k", "3", "--temperature", "0.7", "--num-prompts", "2", "--max-tokens", "16",

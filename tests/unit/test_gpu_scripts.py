@@ -43,6 +43,19 @@ def test_bench_adapter_toy_on_this_machine():
     assert hidden["host_mb_per_seq"] == pytest.approx(32 * (64 * 2 + 4 + 192 * 2) / 2**20, abs=1e-3)
 
 
+def test_bench_adapter_times_the_policy_update_at_each_precision():
+    """`--policy` (docs/results.md, "bf16 on an EPYC without AMX"), toy widths: one row per
+    precision, float32's KL to itself 0 and bf16's small but not 0 (the forward really ran in bf16)."""
+    r = subprocess.run([sys.executable, "scripts/bench_adapter.py", "--policy", "--sizes", "toy", "--precisions",
+                        "fp32,bf16", "--seqs", "2", "--seq-len", "16", "--steps", "1", "--json"], cwd=REPO,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    fp32, bf16 = json.loads(r.stdout.strip().splitlines()[-1])["policy"]
+    assert (fp32["precision"], bf16["precision"]) == ("fp32", "bf16") and fp32["layers"] == 4
+    assert fp32["policy_ms"] > 0 and bf16["policy_ms"] > 0
+    assert fp32["kl"] == 0.0 and 0.0 < bf16["kl"] < 0.05, (fp32, bf16)
+
+
 def test_bench_adapter_names_a_bad_size():
     r = subprocess.run([sys.executable, "scripts/bench_adapter.py", "--sizes", "70b"], cwd=REPO,
                        capture_output=True, text=True)

@@ -247,9 +247,10 @@ def test_the_optimizer_is_adamw_fused_and_steps_as_torchs_default_does(monkeypat
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-6), name
 
 
-def test_auto_precision_is_bf16_on_cpu_only_where_amx_makes_a_wide_draft_faster(monkeypatch):
-    """train.precision=auto on a CPU: bf16 with AMX-BF16 for a draft at least 512 wide (measured:
-    0.51-0.77x the float32 step at 576 and 2048, 1.06-1.34x at the toy's 128), float32 otherwise."""
+def test_auto_precision_is_bf16_on_cpu_only_where_bf16_hardware_makes_a_wide_draft_faster(monkeypatch):
+    """train.precision=auto on a CPU: bf16 with AMX-BF16 or avx512_bf16 for a draft at least 512
+    wide (measured: 0.51-0.77x the float32 step at 576 and 2048 on a Xeon with AMX, 0.54-0.59x on an
+    EPYC with avx512_bf16; 1.06-1.34x at the toy's 128), float32 otherwise."""
     from draftadapt.train import trainer as trainer_mod
     from draftadapt.precision import BF16_CPU_MIN_WIDTH
     from draftadapt.train.trainer import auto_precision, draft_width
@@ -259,8 +260,9 @@ def test_auto_precision_is_bf16_on_cpu_only_where_amx_makes_a_wide_draft_faster(
     wide = torch.nn.Sequential(torch.nn.Linear(3 * 576, 576), torch.nn.Linear(576, 8192))
     assert draft_width(wide) == 576 >= BF16_CPU_MIN_WIDTH
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    for amx in (True, False):
+    for amx, avx512_bf16 in ((True, False), (False, True), (False, False)):
         monkeypatch.setattr(trainer_mod.torch.cpu, "_is_amx_tile_supported", lambda amx=amx: amx)
-        assert auto_precision(cpu, wide) == ("bf16" if amx else "fp32")
+        monkeypatch.setattr(trainer_mod.torch.cpu, "_is_avx512_bf16_supported", lambda v=avx512_bf16: v)
+        assert auto_precision(cpu, wide) == ("bf16" if amx or avx512_bf16 else "fp32")
         assert auto_precision(cpu, narrow) == "fp32"
         assert auto_precision(cuda, narrow) == "bf16"
