@@ -140,8 +140,8 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
                     help="k table: start an engine for every k (default) or only for the three the model is fitted on")
     ev.add_argument("--repeats", type=int, help="k table: generations per (k, batch size); the fastest counts")
     ev.add_argument("--precision", choices=["auto", "bf16", "fp32"],
-                    help="the engines' weights: auto (default) is bf16 on a CPU with AMX-BF16 for a target at "
-                         "least 512 wide, else the target's own dtype")
+                    help="the engines' weights: auto (default) is bf16 on a CPU with AMX-BF16 or avx512_bf16 for "
+                         "a target at least 512 wide, else the target's own dtype")
     ev.add_argument("--json", action="store_true", help="print only the JSON object")
 
 

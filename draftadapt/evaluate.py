@@ -70,7 +70,7 @@ class EvaluateConfig:
     batch_sizes: list[int] = field(default_factory=list)  # sequences per generate (the first batch_size prompts)
     measure: Literal["all", "fit"] = "all"  # engines to start: every k (checks the prediction) or only the fitted ones
     table_repeats: int = 5  # generations per (k, batch size), the fastest counts (3 left 5-10% noise at 32 sequences)
-    # the engines' weights: "auto" is bf16 on a CPU with AMX-BF16 for a target at least 512 wide,
+    # the engines' weights: "auto" is bf16 on a CPU with AMX-BF16 or avx512_bf16 for a target at least 512 wide,
     # else the target's own dtype (as the demo serves it); "bf16" / "fp32" force one
     precision: Literal["auto", "bf16", "fp32"] = "auto"
 

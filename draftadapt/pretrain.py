@@ -86,7 +86,7 @@ class GenerateConfig:
     max_model_len: int = 256  # the regeneration engine's context, prompt and response, in tokens
     max_num_seqs: int = 64  # sequences the regeneration engine decodes at once
     kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE for the regeneration engine
-    # the regeneration engine's weights: "auto" is bf16 on a CPU with AMX-BF16 for a target at least
+    # the regeneration engine's weights: "auto" is bf16 on a CPU with AMX-BF16 or avx512_bf16 for a target at least
     # 512 wide (SmolLM2: 2.4x float32's tokens/s at 64 sequences here), else the target's own dtype; "bf16" /
     # "fp32" force one (draftadapt/precision.py)
     precision: Literal["auto", "bf16", "fp32"] = "auto"

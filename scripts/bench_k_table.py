@@ -53,7 +53,7 @@ def main() -> int:
                     "(the engine started first measures slower in this process; run both orders)")
     ap.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto",
                     help="the engines' weights, as the demo's engine_precision (auto: bf16 on a CPU with AMX-BF16 "
-                         "for a target at least 512 wide, else the target's dtype)")
+                         "or avx512_bf16 for a target at least 512 wide, else the target's dtype)")
     ap.add_argument("--json", action="store_true", help="print only the JSON object")
     args = ap.parse_args()
     if not 1 <= args.k <= args.k_max:

@@ -67,7 +67,7 @@ class SpeculativeRollouts:
     and its simulated acceptance says when a draft would pay again (docs/design.md, "Online k"
     and "Stepping aside"); "fixed" drafts ``k`` at every batch size; "auto" (the default) is
     online wherever there is a draft; engine_precision: the engine's weights, "auto" (bf16 on a CPU
-    with AMX-BF16 for a model at least 512 wide, else the model's own dtype), "bf16" or "fp32"
+    with AMX-BF16 or avx512_bf16 for a model at least 512 wide, else the model's own dtype), "bf16" or "fp32"
     (draftadapt/precision.py; a ``dtype`` in engine_kwargs wins).
     """
 

@@ -123,7 +123,7 @@ class DemoConfig:
     # the ceiling, which hides the drift: docs/design.md, "MTP"). Passed down to adapter.k.
     k: int | None = None
     engine_threads: int = 2  # torch threads of the rollout engines (shared among them with engines > 1)
-    # The rollout engines' weights: "auto" serves in bf16 on a CPU with AMX-BF16 for a model at
+    # The rollout engines' weights: "auto" serves in bf16 on a CPU with AMX-BF16 or avx512_bf16 for a model at
     # least 512 wide (SmolLM2: 0.58-0.85x float32's decode step here, acceptance the same), else in
     # the model's own dtype (the toy: float32); "bf16" / "fp32" force one. Greedy tokens in bf16
     # depend on the batch they are decoded in, draft or none (docs/design.md, "Precision").

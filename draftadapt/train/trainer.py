@@ -96,7 +96,7 @@ class TrainConfig:
                               "draft-vocab loss; 0 = all at once")
         if self.precision not in ("auto", "bf16", "fp32"):
             raise ConfigError(f"train.precision {self.precision!r}: use 'auto' (bf16 autocast on CUDA and on a "
-                              "CPU with AMX-BF16 for a wide draft, else float32), 'bf16' or 'fp32'")
+                              "CPU with AMX-BF16 or avx512_bf16 for a wide draft, else float32), 'bf16' or 'fp32'")
 
 
 def draft_width(draft: nn.Module) -> int:

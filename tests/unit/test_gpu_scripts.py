@@ -43,6 +43,21 @@ def test_bench_adapter_toy_on_this_machine():
     assert hidden["host_mb_per_seq"] == pytest.approx(32 * (64 * 2 + 4 + 192 * 2) / 2**20, abs=1e-3)
 
 
+def test_bench_adapter_smollm2_size_as_the_readme_runs_it():
+    """README "Precision": `--sizes smollm2 --precisions fp32,bf16` (shortened): SmolLM2's widths and
+    the recipe's 8192-token draft vocabulary, one row per precision."""
+    r = subprocess.run([sys.executable, "scripts/bench_adapter.py", "--sizes", "smollm2", "--precisions", "fp32,bf16",
+                        "--seqs", "1", "--seq-len", "8", "--steps", "1", "--json"], cwd=REPO, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout.strip().splitlines()[-1])["rows"]
+    assert [row["precision"] for row in rows] == ["fp32", "bf16"]
+    assert all(row["tokens_per_step"] == 8 and row["step_ms"] > 0 and row["loss"] > 0 for row in rows), rows
+    # one decoder layer (576 wide, 1536 MLP, 9 x 64 query and 3 x 64 kv heads), the 3 x 576 fc and
+    # the 576 x 8192 lm_head trained; the embeddings are the target's (frozen)
+    assert rows[0]["trainable_params"] > 576 * 8192 + 3 * 576 * 576
+
+
 def test_bench_adapter_times_the_policy_update_at_each_precision():
     """`--policy` (docs/results.md, "bf16 on an EPYC without AMX"), toy widths: one row per
     precision, float32's KL to itself 0 and bf16's small but not 0 (the forward really ran in bf16)."""
