@@ -36,7 +36,7 @@ class SmolLM2:
         target = Path(cfg.target) if cfg.target else Path(out) / "model"
         build(target)
         draft = Path(cfg.draft) if cfg.draft else Path(out) / "draft0"
-        if not (draft / META_FILE).is_file():
+        if cfg.spec and not (draft / META_FILE).is_file():  # spec=false serves no draft: none pretrained
             print(f"[demo] pretraining the Eagle-3 head into {draft} (once)", flush=True)
             recipe = cfg.pretrain_recipe or PRETRAIN_RECIPE
             pretrain(load_config(PretrainConfig, recipe, [f"target={target}", f"out={draft}", *self.fresh_overrides(target),

@@ -38,12 +38,14 @@ TOY = ToyWorld(prompts=toy_prompts, build=build_toy)
 
 def prepare_toy_world(out: str | Path, toy: str | Path | None, draft: str | Path | None, seed: int,
                       pretrain_recipe: str | Path, pretrain_overrides: list[str] | tuple[str, ...] = (),
-                      tag: str = "demo", method: str = "eagle3", own_draft: bool = False) -> tuple[Path, Path]:
+                      tag: str = "demo", method: str = "eagle3", own_draft: bool = False,
+                      need_draft: bool = True) -> tuple[Path, Path]:
     """The toy target and an Eagle-3 draft pretrained on it, built into ``out`` unless given (and
     reused from ``out`` on a rerun). Returns (toy target dir, draft dir). ``method="mtp"``: the
     toy has one MTP layer (trained with it); the draft is that layer as the build left it with
     ``own_draft``, else a fresh MTP layer pretrained like the Eagle-3 head, on the toy's own
-    samples (docs/design.md, "MTP")."""
+    samples (docs/design.md, "MTP"). ``need_draft=False`` (a run that serves no draft): the draft's
+    path is returned as it is, nothing pretrained."""
     from draftadapt.draft_init import init_draft
 
     in_target = serving_for(method).in_target
@@ -59,8 +61,8 @@ def prepare_toy_world(out: str | Path, toy: str | Path | None, draft: str | Path
         kind = {"arch": "qwen2", "mtp": 1} if in_target else {}
         print(json.dumps(build(str(toy), seed=seed, **kind)), flush=True)
     draft = Path(draft) if draft else out / "draft0"
-    if (draft / META_FILE).is_file():
-        return toy, draft  # given, or made by an earlier run into out
+    if (draft / META_FILE).is_file() or not need_draft:
+        return toy, draft  # given, made by an earlier run into out, or not needed
     if own_draft:
         print(f"[{tag}] the target's own {method} layers as the draft, into {draft}", flush=True)
         init_draft(toy, method, draft)
@@ -84,7 +86,7 @@ class ToyRL:
 
         return prepare_toy_world(out, cfg.target, cfg.draft, cfg.seed, cfg.pretrain_recipe or PRETRAIN_RECIPE,
                                  demo_pretrain_overrides(cfg, PRETRAIN_RECIPE), tag="demo", method=cfg.method,
-                                 own_draft=cfg.initial_draft == "own")
+                                 own_draft=cfg.initial_draft == "own", need_draft=cfg.spec)
 
     def sample_problems(self, target: Path, n: int, seed: int) -> list[dict]:
         return task.sample_problems(n, seed)

@@ -28,11 +28,14 @@ def test_demo_smoke(toy_target, tmp_path):
               "grpo.group_size=4", "eval.prompts=8", "grpo.max_tokens=64", "eval.max_tokens=64"]
     # the baseline a user has today: the same RL loop, no speculation, no draftadapt
     base = tmp_path / "baseline"
-    proc = subprocess.run([sys.executable, "-m", "draftadapt.cli", "demo", "--out", str(base), *common, "spec=false"],
+    # given no draft: a run that serves none pretrains none (OUT/draft0 is never made)
+    no_draft = [a for a in common if not a.startswith("draft=")]
+    proc = subprocess.run([sys.executable, "-m", "draftadapt.cli", "demo", "--out", str(base), *no_draft, "spec=false"],
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     b = json.loads((base / "summary.json").read_text())
     assert b["spec"] is False and list(b["arms"]) == ["plain"] and not (base / "drafts").exists()
+    assert "pretraining" not in proc.stdout and not (base / "draft0").exists(), proc.stdout[-2000:]
     e = b["end_to_end"]
     assert e["adapt_s"] == 0.0 and e["rl_step_s"] == pytest.approx(e["gen_s"] + e["train_s"], rel=1e-9)
     assert 0.0 < e["gen_share"] < 1.0
