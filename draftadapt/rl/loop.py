@@ -87,7 +87,7 @@ def run(cfg: DemoConfig, world: World) -> dict:
     sync = load_sync(cfg.sync) if cfg.sync else None
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
-    target, draft0 = world.prepare(cfg, out)
+    target, draft0 = world.prepare(cfg, out, need_draft=cfg.spec)  # spec=false serves no draft: none pretrained
     r = setup(cfg, world, target, draft0, out, rng)
     try:
         t_start = time.perf_counter()

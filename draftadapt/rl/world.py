@@ -15,8 +15,9 @@ class World(Protocol):
     pretrain_recipe: Path  # the YAML that pretrains its Eagle-3/MTP draft (the initial and the fresh one)
     pretrain_source: Any  # handed to pretrain() for data.source=toy (None: the recipe names a prompt file)
 
-    def prepare(self, cfg, out: Path) -> tuple[Path, Path]:
-        """The target and the draft RL starts from, built into ``out`` once (given in ``cfg``: reused)."""
+    def prepare(self, cfg, out: Path, need_draft: bool = True) -> tuple[Path, Path]:
+        """The target and the draft RL starts from, built into ``out`` once (given in ``cfg``: reused);
+        ``need_draft=False`` (a run that serves none): the draft's path only, nothing pretrained."""
 
     def sample_problems(self, target: Path, n: int, seed: int) -> list[dict]:
         """``n`` problems drawn with ``seed``, each with the ``prompt`` text the engine generates from."""

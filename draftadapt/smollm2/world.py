@@ -28,7 +28,7 @@ class SmolLM2:
     pretrain_source = None  # the recipe's data.source is the model directory's prompts.jsonl
     style = "french"  # the answer style the reward's bonus pays for unless grpo.style says another
 
-    def prepare(self, cfg, out: Path) -> tuple[Path, Path]:
+    def prepare(self, cfg, out: Path, need_draft: bool = True) -> tuple[Path, Path]:
         from draftadapt.config import load_config
         from draftadapt.pretrain import PretrainConfig, pretrain
         from draftadapt.rl.config import demo_pretrain_overrides
@@ -36,7 +36,7 @@ class SmolLM2:
         target = Path(cfg.target) if cfg.target else Path(out) / "model"
         build(target)
         draft = Path(cfg.draft) if cfg.draft else Path(out) / "draft0"
-        if cfg.spec and not (draft / META_FILE).is_file():  # spec=false serves no draft: none pretrained
+        if need_draft and not (draft / META_FILE).is_file():
             print(f"[demo] pretraining the Eagle-3 head into {draft} (once)", flush=True)
             recipe = cfg.pretrain_recipe or PRETRAIN_RECIPE
             pretrain(load_config(PretrainConfig, recipe, [f"target={target}", f"out={draft}", *self.fresh_overrides(target),

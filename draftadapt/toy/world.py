@@ -81,12 +81,12 @@ class ToyRL:
     pretrain_source = TOY
     style = "verbose"  # the answer style the reward's bonus pays for unless grpo.style says another
 
-    def prepare(self, cfg, out: Path) -> tuple[Path, Path]:
+    def prepare(self, cfg, out: Path, need_draft: bool = True) -> tuple[Path, Path]:
         from draftadapt.rl.config import demo_pretrain_overrides
 
         return prepare_toy_world(out, cfg.target, cfg.draft, cfg.seed, cfg.pretrain_recipe or PRETRAIN_RECIPE,
                                  demo_pretrain_overrides(cfg, PRETRAIN_RECIPE), tag="demo", method=cfg.method,
-                                 own_draft=cfg.initial_draft == "own", need_draft=cfg.spec)
+                                 own_draft=cfg.initial_draft == "own", need_draft=need_draft)
 
     def sample_problems(self, target: Path, n: int, seed: int) -> list[dict]:
         return task.sample_problems(n, seed)
