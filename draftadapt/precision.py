@@ -21,10 +21,14 @@ BF16_CPU_MIN_WIDTH = 512
 PRECISIONS = ("auto", "bf16", "fp32")
 
 
+def cpu_has_bf16() -> bool:
+    """This CPU multiplies bf16 in hardware: AMX tiles or avx512_bf16."""
+    return bool(torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported())
+
+
 def cpu_bf16_pays(width: int) -> bool:
-    """bf16 on this CPU for matmuls ``width`` wide: AMX tiles or avx512_bf16, and width >= BF16_CPU_MIN_WIDTH."""
-    hardware = torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
-    return bool(hardware) and width >= BF16_CPU_MIN_WIDTH
+    """bf16 on this CPU for matmuls ``width`` wide: :func:`cpu_has_bf16` and width >= BF16_CPU_MIN_WIDTH."""
+    return cpu_has_bf16() and width >= BF16_CPU_MIN_WIDTH
 
 
 def engine_dtype(precision: str, target: str | Path) -> str | None:

@@ -6,10 +6,9 @@ and publish, on whatever device the trainer picks (a CUDA GPU when there is one)
 
 For each size (Llama-3 widths: 1b = Llama-3.2-1B, 8b = Llama-3.1-8B; a 128k target vocabulary,
 a 32k draft vocabulary as Llama-3 Eagle-3 heads ship; ``smollm2`` for the real-model world's head,
-``toy`` for a CPU smoke run) the head is
-built with random weights and trained by draftadapt's own DraftTrainer on random captured
-batches of ``--seqs`` x ``--seq-len`` tokens (every token a response token: what a long RL
-rollout gives), the default three-step training-time test at each ``--slots`` share. Per row:
+``toy`` for a CPU smoke run) the head is built with random weights and trained by draftadapt's own
+DraftTrainer on random captured batches of ``--seqs`` x ``--seq-len`` tokens (every token a
+response token: what a long RL rollout gives), the default three-step training-time test at each ``--slots`` share. Per row:
 
 - step_ms: median wall time of an optimizer step after one warm-up (device synchronised);
 - tokens_s and tflops: tokens per second, and the matmul FLOPs of the head's trainable

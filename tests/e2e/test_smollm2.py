@@ -24,6 +24,8 @@ pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
 DRAFT_VOCAB = 8192  # the recipe's (draftadapt/smollm2/pretrain_eagle3.yaml)
+# bf16 hardware, read from torch's own probes (not draftadapt's rule, which these tests check)
+BF16_CPU = bool(torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported())
 
 
 @pytest.fixture(scope="module")
@@ -69,10 +71,9 @@ def test_two_rl_steps_adapt_and_swap_the_head(smollm2_demo):
     # 576 wide: both the policy's update and the adapter's trainer take bf16 autocast on a CPU with
     # AMX-BF16 or avx512_bf16 ("auto"), float32 on one with neither (docs/design.md, "Precision");
     # the engines serve in bf16 there too (engine_precision=auto), else in the build's float32
-    bf16 = torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
-    want = "bf16" if bf16 else "fp32"
+    want = "bf16" if BF16_CPU else "fp32"
     assert summary["precision"] == {"policy_update": want, "adapter": want,
-                                    "engine": "bfloat16" if bf16 else "float32"}, summary["precision"]
+                                    "engine": "bfloat16" if BF16_CPU else "float32"}, summary["precision"]
 
 
 def _engine(model, draft, dtype="float32"):
@@ -186,8 +187,7 @@ def test_the_readme_commands_on_the_real_model(smollm2_model, tmp_path):
     e = json.loads(ev.stdout.strip().splitlines()[-1])
     assert e["k"] == 3 and 1.0 <= e["acceptance_length_measured"] <= 4.0
     # --precision auto: served as the demo serves it (bf16 on a CPU with AMX-BF16 or avx512_bf16)
-    bf16 = torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
-    assert e["engine_dtype"] == ("bfloat16" if bf16 else "float32")
+    assert e["engine_dtype"] == ("bfloat16" if BF16_CPU else "float32")
     # README, "Precision": the same eval with the engines forced to float32
     ev32 = subprocess.run([sys.executable, "-m", "draftadapt.cli", "eval", "--target", str(smollm2_model), "--draft",
                            str(draft), "--k", "3", "--temperature", "0.7", "--num-prompts", "2", "--max-tokens", "16",
