@@ -9,7 +9,9 @@ SmolLM2's (576), 0.58x at 1b widths (2048); vLLM 0.32 decoding SmolLM2 in bf16 t
 float32's step at 1-32 sequences (docs/results.md, "The engine in bf16"). On an AMD EPYC with
 avx512_bf16 and no AMX (docs/results.md, "bf16 on an EPYC without AMX"): the Eagle-3 step 0.54-0.55x
 at 576 and 0.59x at 2048, the SmolLM2 policy's micro-batch 0.49-0.54x, vLLM's plain SmolLM2 step
-0.63-0.76x at 8-32 sequences and 0.57x at 64, each against float32 on the same machine."""
+0.63-0.76x at 8-32 sequences and 0.57x at 64; on a Zen 4 EPYC (docs/results.md, "bf16 on a Zen 4
+EPYC") 0.61-0.67x, 0.59-0.66x and 0.52-0.77x at 1-64 sequences, each against float32 on the same
+machine."""
 
 from __future__ import annotations
 
