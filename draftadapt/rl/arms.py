@@ -33,13 +33,22 @@ def measure(engine: RolloutEngine, prompts: list[str], cfg: DemoConfig, max_toke
            "per_position": res.acceptance.per_position_rate}
     return out
 
+def served_undrafted(r) -> bool:
+    """The synchronous RL step generates on the undrafted engine: online k's table drafts at no
+    batch size, so the speculative engine's drafter idles and the no-speculation arm's engine,
+    which holds the same policy, serves the RL batch (docs/design.md, "Stepping aside")."""
+    return (r.online_k is not None and not r.cfg.async_lag and r.spec_engine is not None
+            and r.spec_engine.drafter_idle)
+
 def measure_arms(plain: RolloutEngine, spec_engine: RolloutEngine, draft0: Path, prompts: list[str], cfg: DemoConfig,
-                 step: int, max_tokens: int | None = None) -> tuple[dict, dict, dict]:
+                 step: int, max_tokens: int | None = None, undrafted: bool = False) -> tuple[dict, dict, dict]:
     """No speculation, the frozen draft, the adapted draft: same prompts, same policy. The order
     flips every step (plain first, then last), so a slow drift of this machine's speed does not
     favour one arm's tokens/s. Under online k the frozen draft is measured at ``cfg.k`` (as the
     adapted one is in its fixed-k arm): the drift is compared at one k, also on steps whose
-    table drafts nothing."""
+    table drafts nothing. The adapted arm is what the RL step serves: ``undrafted`` (the step
+    generates on the plain engine, :func:`served_undrafted`), the plain arm's own generation,
+    not the speculative engine idling beside it."""
     def frozen() -> dict:
         table = getattr(spec_engine, "k_schedule", None)  # a Ray fleet drafts a fixed k
         if table is None:
@@ -50,15 +59,18 @@ def measure_arms(plain: RolloutEngine, spec_engine: RolloutEngine, draft0: Path,
         finally:
             spec_engine.set_k_schedule(table)
 
+    def adapted() -> dict | None:
+        return None if undrafted else measure(spec_engine, prompts, cfg, max_tokens)
+
     if step % 2 == 0:
         m_plain = measure(plain, prompts, cfg, max_tokens)
         m_frozen = frozen()
-        m_adapted = measure(spec_engine, prompts, cfg, max_tokens)
+        m_adapted = adapted()
     else:
-        m_adapted = measure(spec_engine, prompts, cfg, max_tokens)
+        m_adapted = adapted()
         m_frozen = frozen()
         m_plain = measure(plain, prompts, cfg, max_tokens)
-    return m_plain, m_frozen, m_adapted
+    return m_plain, m_frozen, dict(m_plain) if m_adapted is None else m_adapted
 
 # k_policy=online: the adapted draft also served at the fixed k, on the same engine, prompts and
 # policy, every step: online k against fixed k measured in one run (two runs' RL trajectories
@@ -76,27 +88,51 @@ def measure_fixed_k(spec_engine: RolloutEngine, prompts: list[str], cfg: DemoCon
         spec_engine.set_k_schedule(table)
 
 def compare_k(plain: RolloutEngine, spec_engine: RolloutEngine, prompts: list[str], cfg: DemoConfig,
-              max_tokens: int | None = None) -> dict:
+              max_tokens: int | None = None, undrafted: bool = False) -> dict:
     """Online k against fixed k on ``prompts``, one engine, one draft, one policy: ``k_compare_repeats``
     rounds of plain / online table / fixed k, each round starting one arm later; the fastest
-    generation of each arm counts."""
+    generation of each arm counts. ``undrafted``: the online table drafts nowhere and the RL step
+    generates on the plain engine, so the online arm is the plain arm's generations."""
     arms = {"plain": lambda: measure(plain, prompts, cfg, max_tokens),
-            "online": lambda: measure(spec_engine, prompts, cfg, max_tokens),
             "fixed_k": lambda: measure_fixed_k(spec_engine, prompts, cfg, max_tokens)}
+    if not undrafted:
+        arms["online"] = lambda: measure(spec_engine, prompts, cfg, max_tokens)
     names, best = list(arms), {}
     for i in range(cfg.k_compare_repeats):
-        for name in names[i % 3:] + names[:i % 3]:
+        for name in names[i % len(names):] + names[:i % len(names)]:
             m = arms[name]()
             if name not in best or m["tokens_per_s"] > best[name]["tokens_per_s"]:
                 best[name] = m
+    if undrafted:
+        best["online"] = best["plain"]
     tps = {name: m["tokens_per_s"] for name, m in best.items()}
     return {"k": cfg.k, "repeats": cfg.k_compare_repeats, "table": schedule_text(spec_engine.k_schedule),
+            "undrafted": undrafted,
             **{f"{name}_tokens_per_s": v for name, v in tps.items()},
             "online_acceptance_length": best["online"]["acceptance_length"],
             "fixed_k_acceptance_length": best["fixed_k"]["acceptance_length"],
             "online_over_plain_tokens_per_s": tps["online"] / tps["plain"],
             "fixed_k_over_plain_tokens_per_s": tps["fixed_k"] / tps["plain"],
             "online_over_fixed_k_tokens_per_s": tps["online"] / tps["fixed_k"]}
+
+def third_ends(steps: int) -> list[int]:
+    """The steps (0-based) that end each third of a run of ``steps``; the last step is one."""
+    return sorted({max(0, round(steps * i / 3) - 1) for i in (1, 2, 3)})
+
+def compare_served(plain: RolloutEngine, spec_engine: RolloutEngine, prompts: list[str], cfg: DemoConfig,
+                   max_tokens: int | None = None, undrafted: bool = False) -> float:
+    """Tokens/s of the configuration the RL step serves over no draft's on ``prompts`` (the RL
+    batch), one policy: ``k_compare_repeats`` rounds of the two, each round starting with the other,
+    the fastest generation of each. ``undrafted``: the plain engine itself serves, 1.0 with no
+    generation (the same engine, prompts and seed sample the same tokens)."""
+    if undrafted:
+        return 1.0
+    arms = [("plain", plain), ("served", spec_engine)]
+    best: dict[str, float] = {}
+    for i in range(cfg.k_compare_repeats):
+        for name, engine in arms[i % 2:] + arms[:i % 2]:
+            best[name] = max(best.get(name, 0.0), measure(engine, prompts, cfg, max_tokens)["tokens_per_s"])
+    return best["served"] / best["plain"]
 
 def measure_draft(spec_engine: RolloutEngine, draft: Path, prompts: list[str], cfg: DemoConfig,
                   max_tokens: int | None = None) -> dict:
@@ -160,10 +196,12 @@ def measure_step(r, row: dict, step: int, version: int, problems: list[dict]):
     cfg, spec_engine, plain, adapter = r.cfg, r.spec_engine, r.plain, r.adapter
     rl_batch = None
     if spec_engine is not None:
+        undrafted = served_undrafted(r)  # the next RL step generates on the plain engine
         fixed_first = r.online_k is not None and step % 2 == 1  # beside the adapted arm, both orders
         if fixed_first:
             r.arms[FIXED_K_ARM].append(measure_fixed_k(spec_engine, r.eval_prompts, cfg))
-        m_plain, m_frozen, m_adapted = measure_arms(plain, spec_engine, r.draft0, r.eval_prompts, cfg, step)
+        m_plain, m_frozen, m_adapted = measure_arms(plain, spec_engine, r.draft0, r.eval_prompts, cfg, step,
+                                                    undrafted=undrafted)
         for name, m in (("plain", m_plain), ("frozen", m_frozen), ("adapted", m_adapted)):
             r.arms[name].append(m)
         if r.online_k is not None and not fixed_first:
@@ -183,11 +221,20 @@ def measure_step(r, row: dict, step: int, version: int, problems: list[dict]):
             "tps/adapted": m_adapted["tokens_per_s"],
             "draft/age_policy_versions": float(version - adapter.store.latest().policy_version),
         })
-        if step == cfg.grpo.steps - 1 and cfg.rl_batch_arms:
-            batch = [p["prompt"] for p in problems]
-            rl_batch = measure_arms(plain, spec_engine, r.draft0, batch, cfg, step, max_tokens=cfg.grpo.max_tokens)
-            if r.online_k is not None:
-                rl_batch = (*rl_batch, compare_k(plain, spec_engine, batch, cfg, max_tokens=cfg.grpo.max_tokens))
+        if step in third_ends(cfg.grpo.steps) and cfg.rl_batch_arms:
+            # at the end of each third, at the RL batch and its policy: what the step serves over no draft
+            batch, tokens = [p["prompt"] for p in problems], cfg.grpo.max_tokens
+            if step == cfg.grpo.steps - 1:  # and every arm (compare_k's online arm is the served one)
+                rl_batch = measure_arms(plain, spec_engine, r.draft0, batch, cfg, step, tokens, undrafted)
+                if r.online_k is not None:
+                    rl_batch = (*rl_batch, compare_k(plain, spec_engine, batch, cfg, tokens, undrafted))
+                    served = rl_batch[3]["online_over_plain_tokens_per_s"]
+                else:
+                    served = rl_batch[2]["tokens_per_s"] / rl_batch[0]["tokens_per_s"]
+            else:
+                served = compare_served(plain, spec_engine, batch, cfg, tokens, undrafted)
+            row["tps/rl_batch_served_over_plain"] = served
+            row["k/served_undrafted"] = float(undrafted)
     else:
         m_plain = measure(plain, r.eval_prompts, cfg)
         r.arms["plain"].append(m_plain)

@@ -152,7 +152,9 @@ class DemoConfig:
     spec: bool = True
     baseline: str | None = None  # a finished spec=false run's OUT: the summary gains the speedup over it
     # At the last step, also measure the arms at the RL batch (every rollout prompt of that step):
-    # on CPU the speedup falls with the batch size, so the small eval set flatters it.
+    # on CPU the speedup falls with the batch size, so the small eval set flatters it. At the end of
+    # the first two thirds too, what the RL step serves against no draft there (summary.json's
+    # served_over_plain_at_rl_batch; 1.0 without a generation where the step ran undrafted).
     rl_batch_arms: bool = True
     # Run each adaptation round in a background thread beside the next step's generation and
     # policy update (DraftAdapter.start_round / finish_round) instead of between steps. It is swapped

@@ -38,7 +38,7 @@ from draftadapt.engine.rollout import RolloutEngine
 from draftadapt.metrics.logger import make_logger
 from draftadapt.online_k import OnlineK, schedule_text
 from draftadapt.precision import engine_dtype, served_dtype
-from draftadapt.rl.arms import FIXED_K_ARM, measure_fresh, record_step, seed_online_k
+from draftadapt.rl.arms import FIXED_K_ARM, measure_fresh, record_step, seed_online_k, served_undrafted
 from draftadapt.rl.config import demo_adapter, DemoConfig
 from draftadapt.rl.grpo import grpo_update, policy_precision
 from draftadapt.rl.summary import fleet_summary, load_baseline, load_sync, plot, summarize
@@ -243,7 +243,7 @@ def sync_step(r: Run, boundary: StepBoundary, step: int) -> tuple[dict, list[dic
     problems, sampling = draw_batch(r)
     boundary.before_generate()  # background rounds: the previous step's round runs beside this generation
     engine = r.engine
-    if r.online_k is not None and r.spec_engine.drafter_idle:
+    if served_undrafted(r):
         # no batch size drafts: the undrafted engine generates (it holds the current policy: the
         # no-speculation arm's), which costs a plain step; a speculative engine at k = 0, even
         # with its drafter idle, measured 1.10-1.15x a plain one at 8-32 sequences on SmolLM2

@@ -94,6 +94,12 @@ def summarize(cfg: DemoConfig, history: list[dict], arms: dict, seconds: float, 
          "arms_measured_at": f"{cfg.eval.prompts} eval prompts every step"}
     if rl_batch is not None:
         s["rl_batch_arms"] = _rl_batch_arms(cfg, rl_batch)
+    served = [h for h in history if "tps/rl_batch_served_over_plain" in h]
+    if served:  # the end of each third: what the RL step served over no draft, at the RL batch
+        s["served_over_plain_at_rl_batch"] = {
+            "steps": [h["step"] + 1 for h in served],  # counted from 1, as the demo prints them
+            "tokens_per_s": [h["tps/rl_batch_served_over_plain"] for h in served],
+            "undrafted": [bool(h.get("k/served_undrafted")) for h in served]}
     if baseline is not None:
         s["vs_baseline"] = _vs_baseline(s["end_to_end"], baseline["end_to_end"])
     if cfg.async_lag:

@@ -61,6 +61,12 @@ def test_demo_smoke(toy_target, tmp_path):
     assert rb["adapted_over_plain_tokens_per_s"] == pytest.approx(
         rb["adapted"]["tokens_per_s"] / rb["plain"]["tokens_per_s"], rel=1e-9)
     assert rb["adapted"]["acceptance_length"] > 1.0 and math.isnan(rb["plain"]["acceptance_length"])
+    # at the end of each third (3 steps: every step), the served draft over no draft at the RL
+    # batch; the last is the arms' own ratio above (k_policy=fixed: the speculative engine serves)
+    served = summary["served_over_plain_at_rl_batch"]
+    assert served["steps"] == [1, 2, 3] and served["undrafted"] == [False] * 3, served
+    assert all(x > 0 for x in served["tokens_per_s"]), served
+    assert served["tokens_per_s"][-1] == pytest.approx(rb["adapted_over_plain_tokens_per_s"], rel=1e-9)
     bad = subprocess.run([sys.executable, "-m", "draftadapt.cli", "demo", "--out", str(tmp_path / "x"),
                           f"baseline={out}"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "is not a spec=false run" in bad.stderr, bad.stderr
@@ -259,7 +265,7 @@ def test_demo_steps_aside_where_no_k_pays(toy_target, tmp_path):
     out = tmp_path / "demo"
     cmd = [sys.executable, "-m", "draftadapt.cli", "demo", "--out", str(out), "--steps", "2", "--toy", str(toy_target),
            f"draft={draft}", "grpo.prompts_per_step=4", "grpo.group_size=4", "eval.prompts=4", "grpo.max_tokens=32",
-           "eval.max_tokens=16", "fresh_final=false", "rl_batch_arms=false", "max_num_seqs=16",
+           "eval.max_tokens=16", "fresh_final=false", "k_compare_repeats=1", "max_num_seqs=16",
            "online_k.batch_sizes=[1,16]", "online_k.calibrate_tokens=8", "online_k.repeats=1", "online_k.margin=10",
            "adapter.schedule.every_n_steps=1", "adapter.schedule.min_sequences=8"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
@@ -285,3 +291,14 @@ def test_demo_steps_aside_where_no_k_pays(toy_target, tmp_path):
     assert "accept/simulated_live" not in second and "draft/integrity_ok" not in second, second
     assert 0.0 < second["adapt/watch_share"] <= first["stage/adapt_s"] / (first["stage/rl_step_s"] or 1.0), second
     assert not (out / "drafts" / "v1").exists()  # no round ran, so nothing was published past the first draft
+    # what the step serves is measured, not the speculative engine idling beside it: the adapted
+    # arm is the plain arm's generation (same engine, prompts and seed), and at each third's end
+    # the served configuration over no draft at the RL batch is the plain engine's own, 1.0
+    for r in steps:
+        assert r["tps/adapted"] == r["tps/plain"] and r["k/served_undrafted"] == 1.0, r
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["served_over_plain_at_rl_batch"] == {"steps": [1, 2], "tokens_per_s": [1.0, 1.0],
+                                                        "undrafted": [True, True]}, summary
+    cmp = summary["rl_batch_arms"]["online_vs_fixed_k"]
+    assert cmp["undrafted"] and cmp["online_tokens_per_s"] == cmp["plain_tokens_per_s"], cmp
+    assert 1.0 <= cmp["fixed_k_acceptance_length"] <= 4.0, cmp  # the fixed-k arm still drafts k=3
