@@ -87,6 +87,17 @@ def measure_fixed_k(spec_engine: RolloutEngine, prompts: list[str], cfg: DemoCon
     finally:
         spec_engine.set_k_schedule(table)
 
+def fastest(arms: dict, repeats: int) -> dict[str, dict]:
+    """Each arm's fastest measurement over ``repeats`` rounds of ``arms`` (name -> a call returning
+    :func:`measure`'s dict), each round starting one arm later than the one before."""
+    names, best = list(arms), {}
+    for i in range(repeats):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            m = arms[name]()
+            if name not in best or m["tokens_per_s"] > best[name]["tokens_per_s"]:
+                best[name] = m
+    return best
+
 def compare_k(plain: RolloutEngine, spec_engine: RolloutEngine, prompts: list[str], cfg: DemoConfig,
               max_tokens: int | None = None, undrafted: bool = False) -> dict:
     """Online k against fixed k on ``prompts``, one engine, one draft, one policy: ``k_compare_repeats``
@@ -97,12 +108,7 @@ def compare_k(plain: RolloutEngine, spec_engine: RolloutEngine, prompts: list[st
             "fixed_k": lambda: measure_fixed_k(spec_engine, prompts, cfg, max_tokens)}
     if not undrafted:
         arms["online"] = lambda: measure(spec_engine, prompts, cfg, max_tokens)
-    names, best = list(arms), {}
-    for i in range(cfg.k_compare_repeats):
-        for name in names[i % len(names):] + names[:i % len(names)]:
-            m = arms[name]()
-            if name not in best or m["tokens_per_s"] > best[name]["tokens_per_s"]:
-                best[name] = m
+    best = fastest(arms, cfg.k_compare_repeats)
     if undrafted:
         best["online"] = best["plain"]
     tps = {name: m["tokens_per_s"] for name, m in best.items()}
@@ -127,12 +133,9 @@ def compare_served(plain: RolloutEngine, spec_engine: RolloutEngine, prompts: li
     generation (the same engine, prompts and seed sample the same tokens)."""
     if undrafted:
         return 1.0
-    arms = [("plain", plain), ("served", spec_engine)]
-    best: dict[str, float] = {}
-    for i in range(cfg.k_compare_repeats):
-        for name, engine in arms[i % 2:] + arms[:i % 2]:
-            best[name] = max(best.get(name, 0.0), measure(engine, prompts, cfg, max_tokens)["tokens_per_s"])
-    return best["served"] / best["plain"]
+    best = fastest({"plain": lambda: measure(plain, prompts, cfg, max_tokens),
+                    "served": lambda: measure(spec_engine, prompts, cfg, max_tokens)}, cfg.k_compare_repeats)
+    return best["served"]["tokens_per_s"] / best["plain"]["tokens_per_s"]
 
 def measure_draft(spec_engine: RolloutEngine, draft: Path, prompts: list[str], cfg: DemoConfig,
                   max_tokens: int | None = None) -> dict:
