@@ -160,13 +160,35 @@ class OnlineK:
         ``min_reach`` of the drafts reached the position, else extrapolated: each further
         position accepted with the last measured conditional rate r_i / r_(i-1) (r_0 itself when
         only position 0 is measured). Optimistic on purpose: a longer k it earns is measured at
-        once, and corrected if it does not hold, while a pessimistic guess is never revisited."""
+        once, and corrected if it does not hold, while a pessimistic guess is never revisited.
+        But never above the position's own rate while the counts still hold ``prior_drafts``
+        drafts that reached it (a share of them too small to count as measured, but recent: the
+        decay halves them every step nothing drafts there): without that cap the table chose k = 4
+        at 64 sequences on an extrapolated 0.61 one step after the same draft measured 0.42
+        there, then k = 3 again, then 4 (toy, seed 173: the online table ended 0.905x fixed k = 3
+        at the RL batch; docs/design.md, "Online k")."""
         measured = self.counts.reached_rates
+        reached = self.counts.drafts_per_position(self.k_max)
         out = measured[: max(1, self.measured_positions)]  # position 0 as counted, even unmeasured
         for i in range(len(out), len(measured)):
             prev = out[i - 1]
             cond = prev / out[i - 2] if i >= 2 and out[i - 2] > 0 else prev
-            out.append(prev * min(1.0, cond) if prev == prev else prev)
+            guess = prev * min(1.0, cond) if prev == prev else prev
+            if reached[i] >= self.prior_drafts and measured[i] == measured[i]:
+                guess = min(guess, measured[i])
+            out.append(guess)
+        return out
+
+    def _tail(self) -> list[float]:
+        """Per position, the conditional rate r_i / r_(i-1) the current counts measured where at
+        least ``prior_drafts`` drafts reached it (nan elsewhere): what :meth:`_seeded` caps the
+        positions the adapter's simulation does not score at."""
+        rates = self.counts.reached_rates
+        reached = self.counts.drafts_per_position(self.k_max)
+        out = [float("nan")] * len(rates)
+        for i in range(1, len(rates)):
+            if reached[i] >= self.prior_drafts and rates[i - 1] > 0 and rates[i] == rates[i]:
+                out[i] = rates[i] / rates[i - 1]
         return out
 
     @property
@@ -216,9 +238,14 @@ class OnlineK:
                 "k/resumed": out["k/changed_on_swap"], "k/calibrate_s": self.calibrate_s}
 
     def _seeded(self, acceptance_length: float, k: int) -> tuple[float, AcceptanceStats]:
-        """The counts of a draft whose every position is accepted with the same conditional rate
-        c, c chosen so a ``k``-token draft has ``acceptance_length``, weighted as ``prior_drafts``
-        drafts; (c, counts)."""
+        """The counts of a draft whose first ``k`` positions are accepted with the same
+        conditional rate c, c chosen so a ``k``-token draft has ``acceptance_length``, weighted
+        as ``prior_drafts`` drafts; (c, counts). The positions past ``k``, which the simulation
+        did not score, take the lower of c and the conditional rate the engine measured there
+        for the draft before (:meth:`_tail`): drafts trained ``k`` deep fall off past it (toy,
+        seed 173, step 16: conditional 0.63 at position 3 after 0.93 and 0.87 at 1 and 2), and
+        a c carried on chose k = 4 at 64 sequences for the last new draft, where the RL batch ran
+        0.905x as fast as at k = 3."""
         if not acceptance_length >= 1.0 or k < 1:
             raise ValueError(f"a seeded draft needs an acceptance length >= 1 at k >= 1 (got {acceptance_length}, k={k})")
         target = min(acceptance_length - 1.0, float(k))
@@ -227,9 +254,13 @@ class OnlineK:
             c = (lo + hi) / 2
             lo, hi = (c, hi) if sum(c ** i for i in range(1, k + 1)) < target else (lo, c)
         c = (lo + hi) / 2
+        tail = self._tail()
+        rates, r = [], 1.0
+        for i in range(self.k_max):
+            r *= c if i < k or not tail[i] == tail[i] else min(c, tail[i])
+            rates.append(r)
         n = float(self.prior_drafts)
-        return c, AcceptanceStats(self.k_max, n, [n * c ** (i + 1) for i in range(self.k_max)], n * self.k_max,
-                                  [n] * self.k_max)
+        return c, AcceptanceStats(self.k_max, n, [n * ri for ri in rates], n * self.k_max, [n] * self.k_max)
 
     def new_draft(self, engine, acceptance_length: float, k: int) -> dict[str, float]:
         """Another draft serves in ``engine`` now: the counts of the one before no longer describe

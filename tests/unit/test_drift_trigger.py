@@ -91,6 +91,29 @@ def test_a_new_draft_measured_below_the_old_one_triggers_at_once():
     assert trig.due(10, never) == (True, "drift")
 
 
+def test_a_measured_fall_makes_a_scheduled_round_urgent():
+    """A round both the schedule and a measured fall call for is a drift round (urgent: under the
+    cost cap it may run burst_rounds ahead), not a scheduled one that the cap defers."""
+    trig = DriftTrigger(ScheduleConfig(every_n_steps=2, drift_fraction=0.03, min_sequences=1))
+
+    def never():
+        raise AssertionError("simulated although the engine measured")
+
+    trig.report(2.85)
+    trig.trained(True, 2.9, 2.8)
+    trig.observed()
+    trig.report(2.83)  # -0.7%: neither
+    assert trig.due(10, never) == (False, "not_due")
+    trig.observed()
+    assert trig.due(10, never) == (True, "schedule")  # due by the schedule, no fall
+    trig.report(2.66)  # -6.7% from 2.85
+    assert trig.due(10, never) == (True, "drift")
+    # no engine measurement: the schedule decides first, and nothing is simulated for it
+    bare = DriftTrigger(ScheduleConfig(every_n_steps=1, drift_fraction=0.03, min_sequences=1))
+    bare.observed()
+    assert bare.due(10, never) == (True, "schedule")
+
+
 def table_batch(rates: list[float], k_of_drafts: dict[int, int]) -> AcceptanceStats:
     """The engine's counts for one RL batch under a per-batch-size k table: ``k_of_drafts``
     {draft length: drafts of it}, every draft accepting position i with the reached rate

@@ -393,6 +393,46 @@ def test_positions_the_table_stopped_drafting_are_extrapolated_not_kept_stale():
     assert all(math.isnan(r) for r in OnlineK(MODEL, 64, 5).rates)
 
 
+def test_an_extrapolated_position_never_exceeds_its_own_recent_rate():
+    # seed 173's flip-flop: the RL batch drafts 3 tokens at 64 sequences and 4-5 only in its
+    # short tail, so positions 3-4 are reached by fewer than min_reach of the drafts, yet by
+    # hundreds of them, and they measure far below the conditional rate carried on from 1 -> 2
+    online = OnlineK(MODEL, 64, 5, prior_drafts=64)
+    s = stats([900, 840, 740, 120, 40], [1000, 1000, 1000, 200, 200], 1000)
+    online.observe(s)
+    assert online.measured_positions == 3
+    carried = 0.74 * (0.74 / 0.84)
+    assert online.rates[:3] == pytest.approx([0.9, 0.84, 0.74])
+    assert online.rates[3] == pytest.approx(0.6)  # its own 120 / 200, below the carried 0.652
+    assert online.rates[3] < carried
+    assert online.rates[4] == pytest.approx(0.2)  # 40 / 200, below 0.6 * (0.6 / 0.74)
+    # the same shape with the tail reached by fewer than prior_drafts drafts: the guess stands
+    few = OnlineK(MODEL, 64, 5, prior_drafts=64, counts=stats([900, 840, 740, 6, 2], [1000, 1000, 1000, 10, 10], 1000))
+    assert few.rates[3] == pytest.approx(carried) and few.rates[4] == pytest.approx(carried * 0.74 / 0.84)
+    # an own rate above the guess never raises it: the cap only lowers
+    high = OnlineK(MODEL, 64, 5, prior_drafts=64, counts=stats([900, 840, 740, 190, 180], [1000, 1000, 1000, 200, 200], 1000))
+    assert high.rates[3] == pytest.approx(carried)
+    # stale: five steps with nothing reaching position 3 decay its 200 drafts below 64; the guess is back
+    for _ in range(5):
+        online.observe(stats([900, 840, 740, 0, 0], [1000, 1000, 1000, 0, 0], 1000))
+    assert online.counts.drafts_per_position(5)[3] < 64
+    assert online.rates[3] == pytest.approx(carried, rel=1e-6)
+
+
+def test_a_new_draft_keeps_the_tail_the_engine_measured_past_the_simulated_k():
+    # the draft before fell off past position 2 (conditional 0.3 at 3, 0.5 at 4): the new one,
+    # simulated at k=3 only, keeps that shape there instead of its seeded c
+    online = OnlineK(MODEL, 64, 5, prior_drafts=64, counts=stats([900, 800, 700, 210, 105], [1000] * 5, 1000))
+    engine = RecordingEngine(online.choose())
+    c = online.new_draft(engine, 3.4, 3)["k/seeded_rate"]
+    assert online.rates[:3] == pytest.approx([c, c ** 2, c ** 3])
+    assert online.rates[3] == pytest.approx(c ** 3 * 0.3)
+    assert online.rates[4] == pytest.approx(c ** 3 * 0.3 * 0.5)
+    # a measured tail above c does not raise the seed
+    up = OnlineK(MODEL, 64, 5, prior_drafts=64, counts=stats([500, 250, 245, 244, 243], [1000] * 5, 1000))
+    c2 = up.new_draft(RecordingEngine(up.choose()), 3.4, 3)["k/seeded_rate"]
+    assert up.rates == pytest.approx([c2 ** (i + 1) for i in range(5)])
+
 def test_the_adapter_pauses_only_where_even_a_fresh_draft_would_not_pay():
     """Idle because no draft pays here (a weak head): the rounds wait. Idle because the served
     draft fell behind a moving policy, while the adapter's drafts were worth drafting when
