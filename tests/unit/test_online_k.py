@@ -293,6 +293,26 @@ def test_a_calibration_stops_early_where_no_k_can_pay_and_finishes_when_a_draft_
     assert k_at(engine.k_schedule, 32) > 0
 
 
+def test_the_early_stop_leaves_out_the_second_round_where_the_bound_holds_with_room():
+    cfg = OnlineKConfig(batch_sizes=[1, 8, 32, 64], repeats=2)
+    # a head that accepts almost nothing: one round of k = 0, 1, 2 at the RL batch settles it
+    engine = CostedEngine([0.05, 0.01, 0.002, 0.0, 0.0])
+    online = OnlineK.calibrate(engine, ["p"] * 4, cfg, rl_batch=32)
+    # (the k = 0 calls past the cells are one-token ones: this engine times no steps, see measure)
+    assert engine.generated[:3] == [(0, 32), (1, 32), (2, 32)] and engine.generated.count((1, 32)) == 1
+    assert engine.generated.count((2, 32)) == 1 and {b for _, b in engine.generated} == {32}
+    assert online.pending is not None and engine.k_schedule == [(1, 64, 0)]
+    # at 32 sequences k = 1 costs 1.99 plain steps and k = 2 3.5 more: a first-position rate of
+    # 0.3 (bound 1.25 x 0.3 = 0.375 a plain step) clears the bound only without the slack
+    # (0.73 ms left under it): the second round is measured, and then it stops early
+    engine = CostedEngine([0.3, 0.09, 0.03, 0.01, 0.003])
+    online = OnlineK.calibrate(engine, ["p"] * 4, cfg, rl_batch=32)
+    assert {b for _, b in engine.generated} == {32} and engine.generated.count((1, 32)) == 2 and engine.generated.count((2, 32)) == 2
+    assert online.pending is not None and engine.k_schedule == [(1, 64, 0)]
+    # the counts of both rounds' k = 2 generations are kept
+    assert online.counts.drafts == 2000
+
+
 class SlowSpellEngine(CostedEngine):
     """A CostedEngine on a machine that runs at half speed for a spell of consecutive decode
     generations (calls ``spell`` of them, counted from 0; the one-token calls are not counted)."""
