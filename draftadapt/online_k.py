@@ -384,20 +384,7 @@ class OnlineK:
             # sizes wait with the longer k (on verl's toy at 256 sequences a server, the smaller
             # sizes were ~half of a 120 s calibration that chose no draft)
             if cfg.early_stop and cfg.step_aside and rl_batch is not None and k_max > 2 and bss[-1] == cap:
-                # one round first: where the bound holds even with every drafted cell read
-                # ONE_ROUND_SLACK slow, the other rounds cannot change the answer
-                cells = [(k, cap) for k in head]
-                first, counts2 = plan.measure(engine, cells, k_max, repeats=1)
-                if cfg.repeats > 1 and not _no_k_pays(first, counts2, cap, slack=ONE_ROUND_SLACK):
-                    more, extra = plan.measure(engine, cells, k_max, repeats=cfg.repeats - 1)
-                    first, counts2 = _lowest(first + more), counts2 + extra
-                others = [(k, b) for k in head for b in bss if b != cap]
-                if _no_k_pays(first, counts2, cap):
-                    points, counts, plan.left = first, counts2, others + longer
-                else:
-                    more = plan.measure(engine, others, k_max)[0] if others else []
-                    rest, counts = plan.measure(engine, longer, k_max)
-                    points = first + more + rest
+                points, counts = plan.rl_batch_first(engine, head, longer, cap, k_max)
             else:
                 first, counts2 = plan.measure(engine, [(k, b) for k in head for b in bss], k_max)
                 rest, counts = plan.measure(engine, longer, k_max) if longer else ([], counts2)
@@ -422,7 +409,7 @@ class OnlineK:
             return
         t0 = time.perf_counter()
         rest, counts = plan.measure(engine, plan.left, self.k_max)
-        self.model = fit_step_costs(plan.points + rest)
+        self.model = fit_step_costs(_lowest(plan.points + rest))
         self.counts = self.counts + counts
         self.calibrate_s += time.perf_counter() - t0
 
@@ -481,6 +468,28 @@ class _Calibration:
                         s = self._generate(engine, b, 1).seconds
                         self.first[b] = min(s, self.first.get(b, s))
         return self.first
+
+    def rl_batch_first(self, engine, head: list[int], longer: list[tuple[int, int]], cap: int,
+                       k_max: int) -> tuple[list[tuple[int, int, float]], AcceptanceStats]:
+        """The early stop (OnlineK.calibrate): k = 0, 1, 2 (``head``) at the RL batch's size
+        ``cap``, one round first; where the bound holds even with the drafted cells read
+        ONE_ROUND_SLACK slow, the other rounds cannot change the answer. Where no k pays, the
+        other sizes, the ``longer`` k and the left-out rounds wait in :attr:`left` (measured the
+        first time a table would draft, each cell's lowest kept); else every cell is measured now.
+        Returns (points, counts)."""
+        cells = [(k, cap) for k in head]
+        first, counts2 = self.measure(engine, cells, k_max, repeats=1)
+        one_round = self.cfg.repeats == 1 or _no_k_pays(first, counts2, cap, slack=ONE_ROUND_SLACK)
+        if not one_round:
+            more, extra = self.measure(engine, cells, k_max, repeats=self.cfg.repeats - 1)
+            first, counts2 = _lowest(first + more), counts2 + extra
+        others = [(k, b) for k in head for b in self.bss if b != cap]
+        if _no_k_pays(first, counts2, cap):
+            self.left = others + longer + (cells if self.cfg.repeats > 1 and one_round else [])
+            return first, counts2
+        more = self.measure(engine, others, k_max)[0] if others else []
+        rest, counts = self.measure(engine, longer, k_max)
+        return first + more + rest, counts
 
     def measure(self, engine, cells: list[tuple[int, int]], k_max: int,
                 repeats: int | None = None) -> tuple[list[tuple[int, int, float]], AcceptanceStats]:

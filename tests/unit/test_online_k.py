@@ -302,6 +302,14 @@ def test_the_early_stop_leaves_out_the_second_round_where_the_bound_holds_with_r
     assert engine.generated[:3] == [(0, 32), (1, 32), (2, 32)] and engine.generated.count((1, 32)) == 1
     assert engine.generated.count((2, 32)) == 1 and {b for _, b in engine.generated} == {32}
     assert online.pending is not None and engine.k_schedule == [(1, 64, 0)]
+    # the round it left out is measured with the rest, the first time a table would draft
+    assert {(0, 32), (1, 32), (2, 32)} <= set(online.pending.left)
+    engine.rates = [0.99, 0.97, 0.95, 0.93, 0.9]
+    online.simulated(engine, 3.9, 3)
+    assert online.pending is None and engine.generated.count((1, 32)) == 1 + cfg.repeats
+    assert len(online.model.batch_sizes) == 3 and k_at(engine.k_schedule, 32) > 0
+    for k in range(6):  # each cell once in the fit, its lowest reading
+        assert step_cost(online.model, k, 32) == pytest.approx(true_cost(k, 32), rel=1e-6)
     # at 32 sequences k = 1 costs 1.99 plain steps and k = 2 3.5 more: a first-position rate of
     # 0.3 (bound 1.25 x 0.3 = 0.375 a plain step) clears the bound only without the slack
     # (0.73 ms left under it): the second round is measured, and then it stops early
@@ -309,6 +317,7 @@ def test_the_early_stop_leaves_out_the_second_round_where_the_bound_holds_with_r
     online = OnlineK.calibrate(engine, ["p"] * 4, cfg, rl_batch=32)
     assert {b for _, b in engine.generated} == {32} and engine.generated.count((1, 32)) == 2 and engine.generated.count((2, 32)) == 2
     assert online.pending is not None and engine.k_schedule == [(1, 64, 0)]
+    assert not {(0, 32), (1, 32), (2, 32)} & set(online.pending.left)  # both rounds measured already
     # the counts of both rounds' k = 2 generations are kept
     assert online.counts.drafts == 2000
 
