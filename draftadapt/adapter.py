@@ -275,11 +275,11 @@ class DriftTrigger:
             return False, "too_few_sequences"
         if self.chasing and self.steps_since_train >= 1:
             return True, "chase"
-        # A fall the engine measured is checked before the schedule, since it makes the round
-        # urgent (schedule.burst_rounds): a round both would call for was deferred by the cost cap
-        # as a scheduled one while the served draft fell (toy, seed 173, steps 7-8: deferred twice,
-        # the step's fixed-k acceptance 0.80 of step 1's). Without an engine's measurement the
-        # schedule goes first and nothing is simulated.
+        # A chase and a fall the engine measured are checked before the schedule, since they make
+        # the round urgent (schedule.burst_rounds): a round both a fall and the schedule called
+        # for was deferred by the cost cap as a scheduled one while the served draft fell (toy,
+        # seed 173, steps 7-8: deferred twice, the step's fixed-k acceptance 0.80 of step 1's).
+        # Without an engine's measurement the schedule goes first and nothing is simulated.
         if (s.drift_fraction and self.measured is not None and self.reference is not None
                 and self.measured < self.reference * (1 - s.drift_fraction)):
             return True, "drift"
