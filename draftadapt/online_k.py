@@ -176,28 +176,28 @@ class OnlineK:
         there, then k = 3 again, then 4 (toy, seed 173: the online table ended 0.905x fixed k = 3
         at the RL batch; docs/design.md, "Online k")."""
         measured = self.counts.reached_rates
-        reached = self.counts.drafts_per_position(self.k_max)
+        recent = self._recent()
         out = measured[: max(1, self.measured_positions)]  # position 0 as counted, even unmeasured
         for i in range(len(out), len(measured)):
             prev = out[i - 1]
             cond = prev / out[i - 2] if i >= 2 and out[i - 2] > 0 else prev
             guess = prev * min(1.0, cond) if prev == prev else prev
-            if reached[i] >= self.prior_drafts and measured[i] == measured[i]:
-                guess = min(guess, measured[i])
-            out.append(guess)
+            out.append(min(guess, recent[i]) if recent[i] == recent[i] else guess)
         return out
+
+    def _recent(self) -> list[float]:
+        """Per position, its rate from the counts where at least ``prior_drafts`` drafts reached
+        it, nan elsewhere: what caps a guess there (:attr:`rates`, :meth:`_tail`)."""
+        reached = self.counts.drafts_per_position(self.k_max)
+        return [r if d >= self.prior_drafts else float("nan") for r, d in zip(self.counts.reached_rates, reached)]
 
     def _tail(self) -> list[float]:
         """Per position, the conditional rate r_i / r_(i-1) the current counts measured where at
         least ``prior_drafts`` drafts reached it (nan elsewhere): what :meth:`_seeded` caps the
         positions the adapter's simulation does not score at."""
-        rates = self.counts.reached_rates
-        reached = self.counts.drafts_per_position(self.k_max)
-        out = [float("nan")] * len(rates)
-        for i in range(1, len(rates)):
-            if reached[i] >= self.prior_drafts and rates[i - 1] > 0 and rates[i] == rates[i]:
-                out[i] = rates[i] / rates[i - 1]
-        return out
+        rates, recent = self.counts.reached_rates, self._recent()
+        return [float("nan")] + [recent[i] / rates[i - 1] if rates[i - 1] > 0 and recent[i] == recent[i]
+                                 else float("nan") for i in range(1, len(rates))]
 
     @property
     def measured_positions(self) -> int:
